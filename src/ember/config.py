@@ -1,0 +1,119 @@
+"""Configuration: small frozen dataclasses, and the only home of defaults.
+
+The CLI reads its help texts and defaults from here, so a default changes in one
+place. Every field documents its unit in its name (``_s`` seconds, ``_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Dtype = Literal["float32", "bfloat16"]
+Quantization = Literal["none", "int8"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    # Llama 3 style frequency scaling: (factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings) or None for plain RoPE.
+    rope_llama3_scaling: tuple[float, float, float, int] | None = None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: numerics, memory and batching.
+
+    ``dtype`` is the activation and KV-cache dtype. ``quantization="int8"`` stores
+    linear weights as int8 with one scale per output channel (the embedding and
+    norms stay in ``dtype``). The default pair was chosen by measurement on a
+    2-core AVX-512 CPU; see README "Numerics".
+    """
+
+    dtype: Dtype = "float32"
+    quantization: Quantization = "int8"
+    device: str = "cpu"
+    # torch intra-op threads; 0 keeps torch's own choice.
+    threads: int = 0
+    # Tokens per KV block. Prefix reuse works at block granularity.
+    block_size: int = 16
+    # Memory budget of the preallocated KV block pool.
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    # Per-step token budget: decodes first, then prefill chunks fill the rest.
+    # A long prompt therefore delays running streams by at most one such step.
+    max_num_batched_tokens: int = 512
+    # Upper bound on sequences in one step (running decodes + prefills).
+    max_num_seqs: int = 64
+    # Longest prompt + completion accepted; 0 means the model's own context.
+    max_model_len: int = 0
+    # Keep finished requests' blocks as reusable prefix cache.
+    enable_prefix_caching: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Per-conversation KV tiers: hot (in the pool), warm (RAM, then disk), cold."""
+
+    hot_ttl_s: float = 300.0
+    warm_ttl_s: float = 3600.0
+    warm_memory_bytes: int = 256 * 1024 * 1024
+    session_dir: str | None = None
+    warm_disk_bytes: int = 4 * 1024 * 1024 * 1024
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server options (``ember serve``)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    served_model_name: str | None = None
+    api_key: str | None = None
+    profile: Literal["support", "creative"] = "support"
+    max_tokens_limit: int = 1024
+    request_timeout_s: float = 10.0
+    max_body_bytes: int = 1024 * 1024
+    max_messages: int = 2048
+    drain_timeout_s: float = 30.0
+    warmup_requests: int = 3
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    trace_memory: bool = False
+    log_level: str = "info"
+    # Admission control (see server/admission.py).
+    max_queue: int = 256
+    max_queued_tokens: int = 262_144
+    max_running: int = 32
+    # Degradation controller (see server/degrade.py).
+    slo_p99_s: float = 2.0
+    slo_window_s: float = 120.0
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+# max_tokens applied when a request does not set one, by --profile.
+MAX_TOKENS_PRESETS: dict[str, int] = {"support": 80, "creative": 300}

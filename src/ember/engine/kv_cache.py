@@ -1,0 +1,153 @@
+"""The paged KV cache: device tensors plus the block bookkeeping of each request.
+
+Memory layout: one tensor ``(layers, 2, num_blocks * block_size, KV, Hd)``;
+token ``i`` of a request lives in slot ``block_ids[i // B] * B + i % B``.
+The pool is sized from a byte budget, preallocated once.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ember.config import EngineConfig, ModelConfig
+from ember.engine.block_pool import Block, BlockPool, hash_block
+from ember.engine.request import Request
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    element = torch.empty((), dtype=dtype).element_size()
+    return model.num_layers * 2 * block_size * model.num_kv_heads * model.head_dim * element
+
+
+class KVCacheManager:
+    """Allocates blocks to requests, finds cached prefixes, registers full blocks."""
+
+    def __init__(self, model: ModelConfig, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.block_size = config.block_size
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.bytes_per_block = bytes_per_block(model, config.block_size, dtype)
+        num_blocks = max(2, config.kv_cache_bytes // self.bytes_per_block)
+        self.num_blocks = num_blocks
+        self.kv = torch.zeros(
+            model.num_layers, 2, num_blocks * config.block_size, model.num_kv_heads, model.head_dim, dtype=dtype, device=device
+        )
+        self.layer_caches = [(self.kv[i, 0], self.kv[i, 1]) for i in range(model.num_layers)]
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self._blocks: dict[str, list[Block]] = {}
+        self._num_registered: dict[str, int] = {}
+        # Counters (tokens): how much prompt work the prefix cache saved.
+        self.prefix_queries_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    @property
+    def capacity_tokens(self) -> int:
+        return (self.num_blocks - 1) * self.block_size
+
+    def blocks_of(self, request: Request) -> list[Block]:
+        return self._blocks.get(request.request_id, [])
+
+    # -- hashing -----------------------------------------------------------
+
+    def full_block_hashes(self, request: Request) -> list[bytes]:
+        """Chained hashes of every full block of the request's tokens (cached on it)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            start = len(hashes) * bs
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[start : start + bs]))
+        return hashes
+
+    # -- prefix lookup -------------------------------------------------------
+
+    def find_cached_prefix(self, request: Request) -> list[Block]:
+        """Longest run of cached blocks matching the request's first tokens.
+
+        At least one token is left uncached so the model produces the logits
+        of the last position.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.full_block_hashes(request)
+        limit = (request.num_tokens - 1) // self.block_size
+        hits: list[Block] = []
+        bs = self.block_size
+        for i, h in enumerate(hashes[:limit]):
+            block = self.pool.lookup(h, request.token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # -- allocation ------------------------------------------------------------
+
+    def can_allocate(self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
+        needed = self._blocks_needed(request, num_new_tokens, cached)
+        reusable_idle = sum(1 for b in cached if b.ref_count == 0)
+        return needed <= self.pool.num_free_blocks - reusable_idle
+
+    def allocate(self, request: Request, num_new_tokens: int, cached: Sequence[Block] = ()) -> bool:
+        """Give the request blocks for ``num_new_tokens`` more tokens.
+
+        ``cached`` (only at admission) are prefix blocks found by
+        ``find_cached_prefix``; they are referenced instead of recomputed and
+        advance ``num_computed_tokens``. Returns False, changing nothing, when
+        the pool cannot provide the blocks.
+        """
+        if not self.can_allocate(request, num_new_tokens, cached):
+            return False
+        blocks = self._blocks.setdefault(request.request_id, [])
+        if cached:
+            assert not blocks and request.num_computed_tokens == 0
+            self.pool.touch(cached)
+            blocks.extend(cached)
+            request.num_computed_tokens = len(cached) * self.block_size
+            self._num_registered[request.request_id] = len(cached)
+        needed = self._blocks_needed(request, num_new_tokens, ())
+        if needed > 0:
+            blocks.extend(self.pool.allocate(needed))
+        request.block_ids = [b.block_id for b in blocks]
+        return True
+
+    def _blocks_needed(self, request: Request, num_new_tokens: int, cached: Sequence[Block]) -> int:
+        have = len(self._blocks.get(request.request_id, ())) + len(cached)
+        computed = len(cached) * self.block_size if cached else request.num_computed_tokens
+        total_tokens = computed + num_new_tokens
+        return max(0, -(-total_tokens // self.block_size) - have)
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        self.prefix_queries_tokens += request.num_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Publish the request's newly full and computed blocks as prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        done = self._num_registered.get(request.request_id, 0)
+        if num_full <= done:
+            return
+        hashes = self.full_block_hashes(request)
+        blocks = self._blocks[request.request_id]
+        bs = self.block_size
+        for i in range(done, num_full):
+            self.pool.cache(blocks[i], hashes[i], request.token_ids[i * bs : (i + 1) * bs])
+        self._num_registered[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request (tail first; see ``BlockPool.release``)."""
+        blocks = self._blocks.pop(request.request_id, None)
+        self._num_registered.pop(request.request_id, None)
+        if blocks:
+            self.pool.release(reversed(blocks))
+        request.block_ids = []
+
+    def slot_of(self, request: Request, position: int) -> int:
+        bs = self.block_size
+        return request.block_ids[position // bs] * bs + position % bs

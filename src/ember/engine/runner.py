@@ -1,0 +1,104 @@
+"""Turn a ``SchedulerOutput`` into one batched forward pass and sampled tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ember.engine.kv_cache import KVCacheManager
+from ember.engine.request import Request, TokenLogprob
+from ember.engine.sampler import Sampler
+from ember.engine.scheduler import SchedulerOutput
+from ember.model.llama import AttentionMetadata, LlamaModel, PrefillSegment
+
+
+@dataclass
+class RunnerOutput:
+    """Sampled tokens of the requests whose scheduled tokens reached their end."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    num_tokens: int = 0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv: KVCacheManager, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.sampler = Sampler()
+        self.block_size = kv.block_size
+        self._offsets = torch.arange(self.block_size, device=device)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run every scheduled token through the model; sample where a sequence caught up."""
+        input_ids, positions, meta, logit_rows, sampled_requests = self._prepare(sched)
+        logits = self.model(input_ids, positions, meta, self.kv.layer_caches, logit_rows)
+        out = RunnerOutput(num_tokens=int(input_ids.shape[0]))
+        if sampled_requests:
+            tokens, logprobs = self.sampler(logits, sampled_requests)
+            for request, token, lp in zip(sampled_requests, tokens, logprobs):
+                out.sampled[request.request_id] = token
+                if lp is not None:
+                    out.logprobs[request.request_id] = lp
+        return out
+
+    def _block_table(self, requests: list[Request]) -> torch.Tensor:
+        width = max(len(r.block_ids) for r in requests)
+        rows = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
+        return torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _context_slots(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
+        """Slots of the first ``length`` positions of each row's blocks: (rows, length)."""
+        slots = block_table.unsqueeze(-1) * self.block_size + self._offsets
+        return slots.view(block_table.shape[0], -1)[:, :length]
+
+    def _prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor, list[Request]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        sampled: list[Request] = []
+        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+
+        decodes = [s.request for s in sched.decodes]
+        if decodes:
+            ctx_lens = []
+            for i, r in enumerate(decodes):
+                p = r.num_computed_tokens
+                ids.append(r.token_ids[p])
+                pos.append(p)
+                slots.append(r.block_ids[p // bs] * bs + p % bs)
+                ctx_lens.append(p + 1)
+                logit_rows.append(i)
+                sampled.append(r)
+            longest = max(ctx_lens)
+            table = self._block_table(decodes)
+            meta.num_decode_tokens = len(decodes)
+            meta.decode_slots = self._context_slots(table, longest)
+            lens = torch.tensor(ctx_lens, device=self.device)
+            meta.decode_mask = (torch.arange(longest, device=self.device) < lens[:, None]).view(len(decodes), 1, 1, longest)
+
+        for item in sched.prefills:
+            r, n = item.request, item.num_new_tokens
+            start, c = len(ids), r.num_computed_tokens
+            ids.extend(r.token_ids[c : c + n])
+            pos.extend(range(c, c + n))
+            blocks = r.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
+            seg = PrefillSegment(start=start, end=start + n)
+            if c > 0:
+                table = torch.tensor([blocks], dtype=torch.long, device=self.device)
+                seg.context_slots = self._context_slots(table, c + n)[0]
+                q_pos = torch.arange(c, c + n, device=self.device)
+                seg.mask = torch.arange(c + n, device=self.device)[None, :] <= q_pos[:, None]
+            meta.prefills.append(seg)
+            if c + n == r.num_tokens:
+                logit_rows.append(start + n - 1)
+                sampled.append(r)
+
+        to = dict(dtype=torch.long, device=self.device)
+        meta.slot_mapping = torch.tensor(slots, **to)
+        return torch.tensor(ids, **to), torch.tensor(pos, **to), meta, torch.tensor(logit_rows, **to), sampled

@@ -1,0 +1,107 @@
+"""Pick each sequence's next token from its logits.
+
+Order of operations per row (vLLM/OpenAI semantics): penalties (repetition over
+prompt and output, presence and frequency over output), min_tokens (stop ids
+masked until reached), then greedy argmax, or temperature, top-k, top-p, min-p
+and a draw from the request's own generator. Seeded requests therefore give the
+same tokens whatever else shares the batch.
+
+Reported log-probabilities are those of the model (log-softmax of the raw
+logits), as OpenAI reports them, not of the processed distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ember.engine.request import Request, TokenLogprob
+
+# top-p looks at this many best tokens first and sorts the full vocabulary only
+# when they hold less than top_p of the mass: same result, far less sorting.
+_TOP_P_CANDIDATES = 1024
+
+
+class Sampler:
+    """Stateless; the state that matters (generators, counts) lives on requests."""
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample one token per row of ``logits`` (N, V), float32."""
+        fast = all(
+            r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None and not self._masks_stop(r)
+            for r in requests
+        )
+        if fast:
+            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+
+        raw_logprobs = None
+        if any(r.params.logprobs is not None for r in requests):
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        logits = logits.clone()
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob | None] = []
+        for i, request in enumerate(requests):
+            row = logits[i]
+            self._apply_penalties(row, request)
+            if self._masks_stop(request):
+                row[list(request.stop_token_ids)] = float("-inf")
+            token = int(row.argmax()) if request.params.greedy else self._sample(row, request)
+            tokens.append(token)
+            if raw_logprobs is not None and request.params.logprobs is not None:
+                logprobs.append(_token_logprob(raw_logprobs[i], token, request.params.logprobs))
+            else:
+                logprobs.append(None)
+        return tokens, logprobs
+
+    @staticmethod
+    def _masks_stop(request: Request) -> bool:
+        return request.num_output_tokens < request.params.min_tokens and bool(request.stop_token_ids)
+
+    @staticmethod
+    def _apply_penalties(row: torch.Tensor, request: Request) -> None:
+        p = request.params
+        if not p.needs_penalties:
+            return
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(request.token_ids)), dtype=torch.long, device=row.device)
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and request.num_output_tokens:
+            out = torch.tensor(request.output_token_ids, dtype=torch.long, device=row.device)
+            counts = torch.bincount(out, minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+    @staticmethod
+    def _sample(row: torch.Tensor, request: Request) -> int:
+        p = request.params
+        row = row / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = torch.topk(row, p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            probs = _top_p(probs, p.top_p)
+        if p.min_p > 0.0:
+            probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+        return int(torch.multinomial(probs, 1, generator=request.generator))
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero every token outside the smallest set whose mass reaches ``top_p``."""
+    k = min(_TOP_P_CANDIDATES, probs.shape[0])
+    values, indices = torch.topk(probs, k)
+    if k < probs.shape[0] and float(values.sum()) < top_p:
+        values, indices = torch.sort(probs, descending=True)
+    cumulative = torch.cumsum(values, dim=0)
+    # Keep a token if the mass before it is still below top_p (the first always stays).
+    keep = (cumulative - values) < top_p
+    kept = torch.zeros_like(probs)
+    kept[indices[keep]] = values[keep]
+    return kept
+
+
+def _token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    top: list[tuple[int, float]] = []
+    if k > 0:
+        values, indices = torch.topk(logprobs, k)
+        top = list(zip(indices.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)

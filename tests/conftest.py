@@ -1,0 +1,52 @@
+"""Shared fixtures: the embedded model is loaded once per test session."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ember.config import EngineConfig
+
+torch.set_num_threads(int(os.environ.get("EMBER_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def loaded_model():
+    from ember.model.loader import load_model
+
+    return load_model(None)
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded_model):
+    """Build an ``LLMEngine`` on the embedded model with config overrides."""
+    from ember.engine.engine import LLMEngine
+
+    def make(**overrides) -> LLMEngine:
+        return LLMEngine(config=replace(EngineConfig(), **overrides), loaded=loaded_model)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def fp32_engine(make_engine):
+    """A float32, unquantized engine: the exact reference numerics."""
+    return make_engine(dtype="float32", quantization="none")
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """transformers' LlamaForCausalLM and tokenizer loaded from the same GGUF (test-only)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import transformers  # a test dependency: missing means a broken setup, not a skip
+    from ember.model.loader import embedded_model_path
+
+    path = embedded_model_path()
+    folder, name = os.path.split(path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    return model, tok

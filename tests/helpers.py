@@ -1,0 +1,32 @@
+"""Small helpers shared by engine tests."""
+
+from __future__ import annotations
+
+from ember.engine.engine import LLMEngine
+from ember.engine.request import RequestOutput
+from ember.engine.sampling import SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def run_all(engine: LLMEngine, max_steps: int = 100_000) -> dict[str, list[RequestOutput]]:
+    """Step until every request finished; outputs grouped by request id."""
+    outputs: dict[str, list[RequestOutput]] = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            return outputs
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    raise AssertionError("engine did not finish within max_steps")
+
+
+def final_tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.new_token_ids]
+
+
+def final_text(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text_delta for o in outputs)
