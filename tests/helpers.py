@@ -30,3 +30,23 @@ def final_tokens(outputs: list[RequestOutput]) -> list[int]:
 
 def final_text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text_delta for o in outputs)
+
+
+def prefill_forward(engine: LLMEngine, ids: list[int], per_layer: bool = False):
+    """Run ``ids`` as one fresh prefill through the engine's model, outside the scheduler.
+
+    Returns the last-position logits, or every layer's hidden states with ``per_layer``.
+    """
+    from ember.engine.request import Request
+    from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    request = Request("direct-forward", ids, greedy(1), 0.0, max_model_len=engine.max_model_len)
+    assert engine.kv.allocate(request, len(ids))
+    try:
+        sched = SchedulerOutput(prefills=[ScheduledRequest(request, len(ids))])
+        input_ids, positions, meta, rows, _ = engine.runner._prepare(sched)
+        if per_layer:
+            return engine.model.layer_outputs(input_ids, positions, meta, engine.kv.layer_caches)
+        return engine.model(input_ids, positions, meta, engine.kv.layer_caches, rows)[0]
+    finally:
+        engine.kv.free(request)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import final_tokens, greedy, run_all
+from helpers import final_tokens, greedy, prefill_forward, run_all
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -15,26 +15,12 @@ PROMPTS = [
 ]
 
 
-def ember_last_logits(engine, ids: list[int]) -> torch.Tensor:
-    """Last-position logits from Ember's own forward pass (one prefill, no sampling)."""
-    from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
-    from ember.engine.request import Request
-
-    request = Request("ref-logits", ids, greedy(1), 0.0, max_model_len=engine.max_model_len)
-    assert engine.kv.allocate(request, len(ids))
-    try:
-        input_ids, positions, meta, rows, _ = engine.runner._prepare(SchedulerOutput(prefills=[ScheduledRequest(request, len(ids))]))
-        return engine.model(input_ids, positions, meta, engine.kv.layer_caches, rows)[0]
-    finally:
-        engine.kv.free(request)
-
-
 @pytest.mark.timeout(600)
 def test_last_position_logits_match_transformers(fp32_engine, hf_reference):
     model, _ = hf_reference
     for messages in PROMPTS:
         ids = fp32_engine.tokenizer.encode_chat(messages)
-        ours = ember_last_logits(fp32_engine, ids)
+        ours = prefill_forward(fp32_engine, ids)
         with torch.no_grad():
             theirs = model(torch.tensor([ids])).logits[0, -1].float()
         assert int(ours.argmax()) == int(theirs.argmax())

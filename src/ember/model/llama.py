@@ -111,7 +111,7 @@ class Attention(nn.Module):
         qkv_weight = torch.cat([w["q"], w["k"], w["v"]])
         qkv_bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
         self.qkv = make_linear(qkv_weight, qkv_bias, quantization, dtype, device)
-        self.o = make_linear(w["o"], None, quantization, dtype, device)
+        self.o = make_linear(w["o"], w.get("o_bias"), quantization, dtype, device)
 
     def forward(
         self,

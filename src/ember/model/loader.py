@@ -4,7 +4,7 @@ The result is a ``LoadedModel``: a ``ModelConfig``, float32 tensors under short
 internal names, and what the tokenizer needs. Internal names:
 
     embed, norm, lm_head (absent when tied)
-    layers.{i}.{attn_norm, q, k, v, q_bias, k_bias, v_bias, o, ffn_norm, gate, up, down}
+    layers.{i}.{attn_norm, q, k, v, q_bias, k_bias, v_bias, o, o_bias (optional), ffn_norm, gate, up, down}
 
 Rotary layout invariant: q and k rows are stored in the *interleaved* layout
 (Meta's original Llama layout, which GGUF files of arch ``llama`` keep): the
@@ -172,6 +172,7 @@ _GGUF_LAYER_NAMES = {
     "attn_k.bias": "k_bias",
     "attn_v.bias": "v_bias",
     "attn_output.weight": "o",
+    "attn_output.bias": "o_bias",
     "ffn_norm.weight": "ffn_norm",
     "ffn_gate.weight": "gate",
     "ffn_up.weight": "up",
@@ -373,6 +374,7 @@ _HF_LAYER_NAMES = {
     "self_attn.k_proj.bias": "k_bias",
     "self_attn.v_proj.bias": "v_bias",
     "self_attn.o_proj.weight": "o",
+    "self_attn.o_proj.bias": "o_bias",
     "post_attention_layernorm.weight": "ffn_norm",
     "mlp.gate_proj.weight": "gate",
     "mlp.up_proj.weight": "up",

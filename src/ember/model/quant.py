@@ -1,17 +1,19 @@
-"""Linear layers: dense, and int8 weights with one scale per output channel.
+"""Linear layers: dense, int8 weight-only, and int8 weights with int8 activations.
 
-``Int8Linear`` stores ``round(W / s)`` as int8 with ``s = max|W_row| / 127``.
-How it multiplies depends on the device:
+Three numerics, chosen by ``EngineConfig.quantization``:
 
-* CPU: fbgemm's dynamic-quantized GEMM (``quantized::linear_dynamic``). The
-  activation is quantized to 8 bits on the fly and the product runs on int8
-  units (AVX-512 VNNI where present). Measured on this project's 2-core AVX-512
-  machine it beats bf16 and fp32 at every batch size, single-token decode
-  included (README, "Numerics"). The activation scale is per call, so a row's
-  result depends slightly on the other rows of the same call: int8 mode is not
-  bit-for-bit batch-invariant (float32 and bfloat16 are).
-* Elsewhere (CUDA, ...): weight-only; the weight is dequantized to the
-  activation dtype inside the call.
+* ``none``: ``y = x W^T`` in the activation dtype.
+* ``int8`` (weight-only): ``W ~ q * s`` with ``q`` int8 and one float scale
+  per output channel; activations stay in the activation dtype. A matmul of a
+  few rows (decode) is memory-bound, so it reads the int8 weight directly
+  (``torch._weight_int8pack_mm``: half the bytes of bf16). Many rows (prefill,
+  large decode batches) are compute-bound; they use a dense copy of the
+  dequantized weight, which runs on the fast GEMM. Both paths compute with the
+  same dequantized weight values.
+* ``w8a8``: fbgemm's dynamic quantization (``quantized::linear_dynamic``): the
+  activation is also quantized to int8, per call, and the product runs on int8
+  units. Fastest at every batch size on AVX-512 VNNI, but activation outliers
+  make it clearly less accurate (README, "Numerics"); opt-in.
 """
 
 from __future__ import annotations
@@ -21,13 +23,22 @@ import functools
 import torch
 from torch import nn
 
+# Rows at or below which the int8 weight-only path reads int8 weights directly.
+# Measured on the 2-core AVX-512 machine: int8pack wins up to 4 rows, the dense
+# bf16 GEMM from 8 rows on (README, "Numerics").
+INT8_DIRECT_MAX_ROWS = 4
+
+QUANTIZATIONS = ("none", "int8", "w8a8")
+
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
     """A linear layer for ``weight`` (out, in) in the engine's numerics."""
     if quantization == "int8":
         return Int8Linear(weight, bias, dtype, device)
+    if quantization == "w8a8":
+        return DynamicInt8Linear(weight, bias, dtype, device)
     if quantization != "none":
-        raise ValueError(f"unknown quantization {quantization!r}; expected 'none' or 'int8'")
+        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
     return DenseLinear(weight, bias, dtype, device)
 
 
@@ -55,6 +66,35 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+class Int8Linear(nn.Module):
+    """Weight-only int8 with per-output-channel scales; see the module docstring.
+
+    On CPU the product itself runs in bfloat16 whatever the activation dtype
+    (the input is cast at the layer boundary and the output cast back), because
+    both fast kernels, int8pack and the oneDNN GEMM, are bfloat16 kernels.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        q, scale = quantize_per_channel_int8(weight)
+        self.dtype = dtype
+        self.compute_dtype = torch.bfloat16 if device.type == "cpu" else dtype
+        self.register_buffer("qweight", q.to(device))
+        self.register_buffer("scale", scale.to(device=device, dtype=self.compute_dtype))
+        self.register_buffer("dense", (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
+        self.direct = device.type == "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(self.compute_dtype)
+        if self.direct and x.shape[0] <= INT8_DIRECT_MAX_ROWS:
+            y = torch._weight_int8pack_mm(xc, self.qweight, self.scale)
+        else:
+            y = nn.functional.linear(xc, self.dense)
+        y = y.to(self.dtype)
+        return y if self.bias is None else y + self.bias
+
+
 @functools.lru_cache(maxsize=1)
 def _cpu_has_vnni() -> bool:
     try:
@@ -65,31 +105,21 @@ def _cpu_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
-class Int8Linear(nn.Module):
-    """Per-output-channel int8 weights; see the module docstring for the kernels."""
+class DynamicInt8Linear(nn.Module):
+    """int8 weights and per-call dynamically quantized int8 activations (fbgemm, CPU only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
+        if device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
+            raise ValueError("quantization='w8a8' needs a CPU with fbgemm; use 'int8' elsewhere")
         q, scale = quantize_per_channel_int8(weight)
-        self.out_features, self.in_features = q.shape
         self.dtype = dtype
-        self.use_fbgemm = device.type == "cpu" and "fbgemm" in torch.backends.quantized.supported_engines
-        self.register_buffer("qweight", q.to(device))
-        self.register_buffer("scale", scale.to(device))
-        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
-        if self.use_fbgemm:
-            qw = torch._make_per_channel_quantized_tensor(q, scale.to(torch.float64), torch.zeros_like(scale, dtype=torch.int64), 0)
-            self._packed = torch.ops.quantized.linear_prepack(qw, self.bias)
-            # Without VNNI, fbgemm's u8*s8 pairs can saturate int16; reduce_range avoids it.
-            self._reduce_range = not _cpu_has_vnni()
-
-    @property
-    def weight_bytes(self) -> int:
-        return self.qweight.numel() + self.scale.numel() * 4
+        fp32_bias = None if bias is None else bias.to(torch.float32)
+        qw = torch._make_per_channel_quantized_tensor(q, scale.to(torch.float64), torch.zeros(q.shape[0], dtype=torch.int64), 0)
+        self._packed = torch.ops.quantized.linear_prepack(qw, fp32_bias)
+        # Without VNNI, fbgemm's u8*s8 pairs can saturate int16; reduce_range avoids it.
+        self._reduce_range = not _cpu_has_vnni()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_fbgemm:
-            y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)
-            return y if self.dtype == torch.float32 else y.to(self.dtype)
-        w = self.qweight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
-        return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)
+        return y if self.dtype == torch.float32 else y.to(self.dtype)

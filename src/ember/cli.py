@@ -1,0 +1,33 @@
+"""``ember``: serve | chat | bench | route.
+
+Each subcommand lives with its feature and registers itself here through a
+``register(subparsers)`` function that sets ``func`` on its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Low-latency LLM chat serving.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,bench,route}")
+    from ember.bench import cli as bench_cli
+    from ember.router import cli as router_cli
+    from ember.server import cli as server_cli
+
+    server_cli.register(sub)
+    bench_cli.register(sub)
+    router_cli.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = args.func(args)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
