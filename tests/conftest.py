@@ -50,3 +50,13 @@ def hf_reference():
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     model.eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One real `ember serve` on the embedded model (default options), shared by server tests."""
+    from server_process import ServerProcess
+
+    proc = ServerProcess().wait_ready()
+    yield proc
+    proc.stop()

@@ -13,13 +13,15 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ember", description="Low-latency LLM chat serving.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,chat,bench,route}")
-    from ember.bench import cli as bench_cli
-    from ember.router import cli as router_cli
-    from ember.server import cli as server_cli
+    import importlib
 
-    server_cli.register(sub)
-    bench_cli.register(sub)
-    router_cli.register(sub)
+    # Each feature registers its own subcommand; a missing one must not break the rest.
+    for module in ("ember.server.cli", "ember.bench.cli", "ember.router.cli"):
+        try:
+            importlib.import_module(module).register(sub)
+        except ModuleNotFoundError as exc:
+            if exc.name != module:
+                raise
     return parser
 
 

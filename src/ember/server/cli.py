@@ -1,0 +1,90 @@
+"""``ember serve``: every option with its default, read from ``ember.config``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ember.config import MAX_TOKENS_PRESETS, EngineConfig, ServerConfig, SessionConfig
+
+_E, _S, _SS = EngineConfig(), ServerConfig(), SessionConfig()
+MIB = 1024 * 1024
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model (default: the embedded SmolLM2-135M-Instruct) over an OpenAI-compatible API.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", default=None, help="GGUF file or Hugging Face directory; omit for the embedded model")
+    m.add_argument("--served-model-name", default=None, help="model id reported by the API (default: the model's name)")
+    m.add_argument("--dtype", default=_E.dtype, choices=["float32", "bfloat16"], help="activation and KV-cache dtype")
+    m.add_argument("--quantization", default=_E.quantization, choices=["none", "int8", "w8a8"], help="weight quantization (see README, Numerics)")
+    m.add_argument("--device", default=_E.device, help="torch device: cpu, cuda, cuda:1 ...")
+    m.add_argument("--threads", type=int, default=_E.threads, help="torch intra-op threads (0: torch's default)")
+    m.add_argument("--kv-cache-mb", type=int, default=_E.kv_cache_bytes // MIB, help="memory budget of the KV block pool, MiB")
+    m.add_argument("--block-size", type=int, default=_E.block_size, help="tokens per KV block")
+    m.add_argument("--max-num-batched-tokens", type=int, default=_E.max_num_batched_tokens, help="per-step token budget (prefill chunk size)")
+    m.add_argument("--max-num-seqs", type=int, default=_E.max_num_seqs, help="most sequences in one step")
+    m.add_argument("--max-model-len", type=int, default=_E.max_model_len, help="context limit (0: the model's own)")
+    m.add_argument("--no-prefix-caching", action="store_true", help="disable KV prefix reuse")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=_S.host)
+    s.add_argument("--port", type=int, default=_S.port)
+    s.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"), help="require 'Authorization: Bearer KEY' on /v1 (env EMBER_API_KEY)")
+    s.add_argument("--profile", default=_S.profile, choices=sorted(MAX_TOKENS_PRESETS), help=f"default max_tokens preset: {MAX_TOKENS_PRESETS}")
+    s.add_argument("--max-tokens-limit", type=int, default=_S.max_tokens_limit, help="cap on any request's max_tokens")
+    s.add_argument("--request-timeout", type=float, default=_S.request_timeout_s, help="default per-request deadline, seconds (body 'timeout' or X-Request-Timeout override)")
+    s.add_argument("--max-body-bytes", type=int, default=_S.max_body_bytes, help="larger request bodies get 413")
+    s.add_argument("--max-messages", type=int, default=_S.max_messages, help="most messages in one chat request")
+    s.add_argument("--drain-timeout", type=float, default=_S.drain_timeout_s, help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--warmup-requests", type=int, default=_S.warmup_requests, help="generations run before /ready turns 200")
+    s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    s.add_argument("--ssl-keyfile", default=None, help="private key for --ssl-certfile")
+    s.add_argument("--trace-memory", action="store_true", help="log each request's peak Python allocation (tracemalloc)")
+    s.add_argument("--log-level", default=_S.log_level, choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=run_serve)
+
+
+def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineConfig, SessionConfig]:
+    engine = EngineConfig(
+        dtype=args.dtype,
+        quantization=args.quantization,
+        device=args.device,
+        threads=args.threads,
+        block_size=args.block_size,
+        kv_cache_bytes=args.kv_cache_mb * MIB,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    server = ServerConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or None,
+        profile=args.profile,
+        max_tokens_limit=args.max_tokens_limit,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        max_messages=args.max_messages,
+        drain_timeout_s=args.drain_timeout,
+        warmup_requests=args.warmup_requests,
+        ssl_certfile=args.ssl_certfile,
+        ssl_keyfile=args.ssl_keyfile,
+        trace_memory=args.trace_memory,
+        log_level=args.log_level,
+    )
+    return server, engine, SessionConfig()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from ember.server.serve import serve
+
+    return serve(*configs_from_args(args))

@@ -1,0 +1,60 @@
+"""Prometheus metrics: the only place that names them (ARCHITECTURE.md, "Metric names").
+
+Latencies are in seconds. Buckets cover both sub-second chat latencies and
+multi-second generations so p50 and p99 stay readable across the range.
+Labels are low-cardinality: model, tier, code, priority; never an id.
+Each app owns its registry, so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    """Every metric the server exports, on one registry."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        m = ["model"]
+        self.request_duration = Histogram("llm_request_duration_seconds", "End-to-end request latency.", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("llm_time_to_first_token_seconds", "Time to first token.", m + ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("llm_inter_token_latency_seconds", "Time between streamed tokens.", m, buckets=ITL_BUCKETS, registry=r)
+        self.queue = Histogram("llm_request_queue_seconds", "Time from arrival to first scheduling.", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens received.", m, registry=r)
+        self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", m, registry=r)
+        self.requests = Counter("llm_requests", "Requests finished, by finish reason.", m + ["finish_reason"], registry=r)
+        self.errors = Counter("llm_request_errors", "Requests answered with an error, by HTTP status.", m + ["code"], registry=r)
+        self.prefix_queries = Counter("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m + ["tier"], registry=r)
+        self.prefix_hits = Counter("llm_prefix_cache_hits", "Prompt tokens served from the prefix cache.", m + ["tier"], registry=r)
+        self.running = Gauge("llm_requests_running", "Requests in the engine's running set.", m, registry=r)
+        self.waiting = Gauge("llm_requests_waiting", "Requests queued (engine and admission).", m, registry=r)
+        self.kv_usage = Gauge("llm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests or hot sessions.", m, registry=r)
+        self.kv_bytes = Gauge("llm_kv_cache_bytes", "Bytes of the preallocated KV block pool.", m, registry=r)
+        self.sessions = Gauge("llm_sessions", "Conversations kept, by tier.", m + ["tier"], registry=r)
+        self.session_bytes = Gauge("llm_session_bytes", "Bytes held by session tiers.", m + ["tier"], registry=r)
+        self.session_events = Counter("llm_session_transitions", "Session tier transitions.", m + ["event"], registry=r)
+        self.degraded = Gauge("llm_degraded", "1 while the degradation controller is engaged.", m, registry=r)
+        self.rejected = Counter("llm_requests_rejected", "Requests refused by admission control.", m + ["reason", "priority"], registry=r)
+        self.max_tokens_clamped = Counter("llm_max_tokens_clamped", "Requests whose max_tokens was lowered by limits or degradation.", m, registry=r)
+        self.ready = Gauge("llm_ready", "1 when the model is loaded and warmed up.", m, registry=r)
+
+    def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float], kv_bytes: Callable[[], float]) -> None:
+        """Read live engine state at scrape time instead of pushing it every step."""
+        self.running.labels(self.model).set_function(running)
+        self.waiting.labels(self.model).set_function(waiting)
+        self.kv_usage.labels(self.model).set_function(kv_usage)
+        self.kv_bytes.labels(self.model).set_function(kv_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

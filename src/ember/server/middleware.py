@@ -1,0 +1,149 @@
+"""The request pipeline in front of every route, as plain ASGI (no per-request tasks).
+
+In order: request id (echo ``X-Request-ID`` or make one) → API key (401) →
+body size limit (413, also for chunked bodies) → in-flight accounting → the
+access log line. Written as raw ASGI because Starlette's BaseHTTPMiddleware
+adds a task and a queue per request and interferes with streaming.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import time
+import tracemalloc
+import uuid
+from typing import Any
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ember.server.errors import APIError
+from ember.server.state import ServerState
+
+access_log = logging.getLogger("ember.access")
+
+# Reachable without an API key: liveness, readiness and scraping.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc"})
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from ``receive``; an HTTPException so frameworks pass it through as 413."""
+
+    def __init__(self) -> None:
+        super().__init__(413, "The request body is too large.")
+
+
+class RequestPipeline:
+    """One ASGI middleware for the whole pipeline, so the order is explicit."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+        key = state.config.api_key
+        self._api_key = key.encode() if key else None
+        self._max_body = state.config.max_body_bytes
+        if state.config.trace_memory and not tracemalloc.is_tracing():
+            tracemalloc.start()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        headers = _headers(scope)
+        request_id = headers.get("x-request-id") or uuid.uuid4().hex
+        if len(request_id) > 128 or not request_id.isprintable():
+            request_id = uuid.uuid4().hex
+        scope.setdefault("state", {})
+        scope["state"]["request_id"] = request_id
+        record: dict[str, Any] = {}
+        scope["state"]["record"] = record
+        status_holder = [0]
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_holder[0] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        path = scope.get("path", "")
+        try:
+            self._authenticate(path, headers, scope)
+            declared = headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self._max_body:
+                raise _BodyTooLarge
+        except APIError as exc:
+            await exc.response()(scope, receive, send_with_id)
+            self._log(scope, request_id, status_holder[0], started, record)
+            return
+        except _BodyTooLarge:
+            await _too_large(self._max_body)(scope, receive, send_with_id)
+            self._log(scope, request_id, 413, started, record)
+            return
+
+        counting = path.startswith("/v1/")
+        if counting:
+            self.state.in_flight += 1
+        if self.state.config.trace_memory:
+            tracemalloc.reset_peak()
+        try:
+            await self.app(scope, self._limited(receive), send_with_id)
+        except _BodyTooLarge:
+            await _too_large(self._max_body)(scope, receive, send_with_id)
+        finally:
+            if counting:
+                self.state.in_flight -= 1
+            if self.state.config.trace_memory:
+                record["peak_python_bytes"] = tracemalloc.get_traced_memory()[1]
+            self._log(scope, request_id, status_holder[0], started, record)
+
+    def _authenticate(self, path: str, headers: dict[str, str], scope: Scope) -> None:
+        if self._api_key is None or path in PUBLIC_PATHS:
+            return
+        given = headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
+        # Constant-time compare: response time must not reveal how much of a key matched.
+        if not hmac.compare_digest(token.encode(), self._api_key):
+            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.", "authentication_error", None, "invalid_api_key")
+        # Session ids are namespaced by key; a digest, never the key itself.
+        scope["state"]["api_key_namespace"] = hmac.new(b"ember-session", token.encode(), "sha256").hexdigest()[:16]
+
+    def _limited(self, receive: Receive) -> Receive:
+        remaining = [self._max_body]
+
+        async def limited_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                remaining[0] -= len(message.get("body", b""))
+                if remaining[0] < 0:
+                    raise _BodyTooLarge
+            return message
+
+        return limited_receive
+
+    def _log(self, scope: Scope, request_id: str, status: int, started: float, record: dict[str, Any]) -> None:
+        if not access_log.isEnabledFor(logging.INFO):
+            return
+        line = {
+            "request_id": request_id,
+            "method": scope.get("method"),
+            "path": scope.get("path"),
+            "status": status,
+            "total_s": round(time.perf_counter() - started, 6),
+        }
+        for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "queue_s", "ttft_s", "finish_reason", "max_tokens", "peak_python_bytes", "error"):
+            if key in record:
+                value = record[key]
+                line[key] = round(value, 6) if isinstance(value, float) else value
+        access_log.info(json.dumps(line))
+
+
+def _headers(scope: Scope) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+
+
+def _too_large(limit: int):
+    return APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error", None, "request_too_large").response()

@@ -1,0 +1,100 @@
+"""Run the server under uvicorn, with a graceful drain on SIGTERM.
+
+uvicorn's own shutdown closes the listening socket at once, so a client that
+connects during shutdown gets "connection refused" and cannot tell a drain from
+a crash. Ember drains first: on SIGTERM (or the first Ctrl-C) it keeps
+listening, answers new /v1 requests with 503 + Retry-After, lets in-flight
+requests finish for up to ``drain_timeout_s``, aborts what is left, and only then
+lets uvicorn shut down. The process exits 0. A second signal forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import replace
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from ember.config import EngineConfig, ServerConfig, SessionConfig
+from ember.engine.async_engine import AsyncEngine
+from ember.engine.engine import LLMEngine
+from ember.server.app import create_app
+from ember.server.state import ServerState
+
+log = logging.getLogger("ember.server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first exit signal starts a drain instead of a shutdown."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.ember = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not recorded in _captured_signals: uvicorn would re-raise it after
+        # shutdown and the process would die by signal instead of exiting 0.
+        if self.ember.draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self.ember.draining
+            return
+        self.ember.draining = True
+        log.info("received %s: draining %d in-flight request(s) for up to %.0fs", signal.Signals(sig).name, self.ember.in_flight, self.ember.config.drain_timeout_s)
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.ember.config.drain_timeout_s
+        while self.ember.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        engine = self.ember.engine
+        if self.ember.in_flight > 0 and engine is not None:
+            log.warning("drain timeout: aborting %d request(s)", len(engine.engine.requests))
+            for request_id in list(engine.engine.requests):
+                engine.abort(request_id)
+            await asyncio.sleep(0.2)
+        log.info("drained; shutting down")
+        self.should_exit = True
+
+
+def build_state(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | None = None) -> ServerState:
+    """A ServerState whose engine loads ``server.model`` with ``engine`` options."""
+
+    def factory() -> AsyncEngine:
+        return AsyncEngine(LLMEngine(server.model, engine))
+
+    state = ServerState(server, factory, server.served_model_name)
+    return state
+
+
+def serve(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | None = None) -> int:
+    """Block serving until drained; returns the process exit code."""
+    logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    state = build_state(server, engine, sessions)
+    app = create_app(state)
+    config = uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=server.log_level,
+        access_log=False,  # Ember writes its own structured access line
+        ssl_certfile=server.ssl_certfile,
+        ssl_keyfile=server.ssl_keyfile,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=5,
+    )
+    DrainingServer(config, state).run()
+    return 0
+
+
+def with_overrides(config: Any, **overrides: Any) -> Any:
+    return replace(config, **{k: v for k, v in overrides.items() if v is not None})

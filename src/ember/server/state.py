@@ -1,0 +1,104 @@
+"""ServerState: what the routes share — the engine (once loaded), flags, metrics.
+
+Life of a server: *loading* (the model loads in a background thread; /ready
+and /v1 answer 503 with Retry-After) → *warming up* (a few real generations
+through the engine, so the first user pays no first-call costs) → *ready* →
+*draining* after SIGTERM (new /v1 requests get 503; in-flight ones finish).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable
+
+from ember.config import ServerConfig
+from ember.engine.async_engine import AsyncEngine
+from ember.engine.sampling import SamplingParams
+from ember.server.metrics import ServerMetrics
+
+log = logging.getLogger("ember.server")
+
+# Prompts for warmup: short and long enough to touch the decode and prefill paths.
+WARMUP_PROMPTS = (
+    [{"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Say hello in three languages, briefly."}],
+)
+
+
+class ServerState:
+    """Shared server state; every field is read by routes on the event loop."""
+
+    def __init__(self, config: ServerConfig, engine_factory: Callable[[], AsyncEngine], model_name: str | None = None) -> None:
+        self.config = config
+        self._engine_factory = engine_factory
+        self.engine: AsyncEngine | None = None
+        self.model_name = model_name or config.served_model_name or "ember"
+        self.metrics = ServerMetrics(self.model_name)
+        self.ready = False
+        self.load_error: str | None = None
+        self.draining = False
+        self.started_at = time.time()
+        self.in_flight = 0
+        self.load_seconds: float | None = None
+        self.warmup_seconds: float | None = None
+        # Hooks that later features (sessions, admission, degradation) attach to.
+        self.admission = None
+        self.degrade = None
+        self.sessions = None
+
+    async def load(self) -> None:
+        """Load the model off the event loop, warm it up, then flip ``ready``."""
+        started = time.perf_counter()
+        try:
+            engine = await asyncio.to_thread(self._engine_factory)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.exception("model failed to load")
+            return
+        engine.start()
+        self.engine = engine
+        if self.config.served_model_name is None:
+            self.model_name = engine.engine.model_name
+            self.metrics.model = self.model_name
+        self.load_seconds = time.perf_counter() - started
+        self._bind_metrics()
+        warm_started = time.perf_counter()
+        await self.warmup()
+        self.warmup_seconds = time.perf_counter() - warm_started
+        self.ready = True
+        self.metrics.ready.labels(self.model_name).set(1)
+        log.info("ready: model %s loaded in %.2fs, warmed up in %.2fs", self.model_name, self.load_seconds, self.warmup_seconds)
+
+    async def warmup(self) -> None:
+        """Run a few short generations end to end (template, tokenizer, prefill, decode, detokenizer)."""
+        assert self.engine is not None
+        tok = self.engine.tokenizer
+        for i in range(self.config.warmup_requests):
+            prompt = tok.encode_chat(WARMUP_PROMPTS[i % len(WARMUP_PROMPTS)])
+            params = SamplingParams(max_tokens=8, temperature=0.0 if i % 2 == 0 else 0.7, top_p=0.9, logprobs=1 if i == 1 else None)
+            async for _ in self.engine.generate(f"warmup-{i}", prompt, params):
+                pass
+        self.engine.engine.kv.pool.reset_prefix_cache()  # users start from a clean cache
+
+    def _bind_metrics(self) -> None:
+        assert self.engine is not None
+        core = self.engine.engine
+        admission_waiting = lambda: 0 if self.admission is None else self.admission.num_waiting  # noqa: E731
+        self.metrics.bind_gauges(
+            running=lambda: core.scheduler.num_running,
+            waiting=lambda: core.scheduler.num_waiting + admission_waiting(),
+            kv_usage=core.kv_usage,
+            kv_bytes=lambda: core.kv.total_bytes,
+        )
+
+    async def shutdown(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.stop)
+
+    def retry_after_s(self) -> float:
+        """How long a client should wait while the server loads or drains."""
+        if self.draining:
+            return max(1.0, self.config.drain_timeout_s)
+        return 2.0

@@ -1,0 +1,122 @@
+"""The official openai package, sync and async, against a real `ember serve`."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from server_process import ServerProcess
+
+pytestmark = pytest.mark.timeout(180)
+HELLO = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_chat_non_streaming(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=20)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop" and r.object == "chat.completion"
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens == r.usage.total_tokens - r.usage.prompt_tokens
+
+
+def test_chat_streaming_with_usage(client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert "Paris" in text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8, temperature=0)
+    assert r.object == "text_completion" and len(r.choices[0].text) > 0 and r.usage.completion_tokens <= 8
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model="SmolLM2-135M-Instruct", prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    assert streamed == r.choices[0].text
+
+
+def test_stop_sequences(client):
+    free = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=20).choices[0].message.content
+    cut = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=20, stop=["Paris"])
+    assert cut.choices[0].message.content == free[: free.index("Paris")]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility(client):
+    def sample(seed: int) -> str:
+        return client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Write a creative name for a cat."}], temperature=1.0, seed=seed, max_tokens=24
+        ).choices[0].message.content
+
+    assert sample(42) == sample(42)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_logprobs(client):
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy picks the best
+
+
+def test_error_classes(client):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="no-such-model", messages=HELLO)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, max_tokens=10**7)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, n=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[])
+
+
+def test_async_client(server):
+    async def main():
+        client = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        replies = await asyncio.gather(*[
+            client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=12) for _ in range(4)
+        ])
+        stream = await client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, temperature=0, max_tokens=12, stream=True)
+        streamed = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        await client.close()
+        return replies, streamed
+
+    replies, streamed = asyncio.run(main())
+    texts = {r.choices[0].message.content for r in replies}
+    assert len(texts) == 1 and streamed in texts  # greedy: identical whatever the batching
+
+
+def test_models_list(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct"]
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    proc = ServerProcess("--api-key", "s3cret", "--warmup-requests", "1").wait_ready()
+    yield proc
+    proc.stop()
+
+
+def test_api_key_required(keyed_server):
+    import httpx
+
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=keyed_server.url, api_key="wrong", max_retries=0).models.list()
+    ok = openai.OpenAI(base_url=keyed_server.url, api_key="s3cret", max_retries=0)
+    assert ok.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, max_tokens=3).choices
+    assert httpx.get(f"{keyed_server.base}/health").status_code == 200  # public
+    assert httpx.get(f"{keyed_server.base}/ready").status_code == 200
