@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     import importlib
 
     # Each feature registers its own subcommand; a missing one must not break the rest.
-    for module in ("ember.server.cli", "ember.bench.cli", "ember.router.cli"):
+    for module in ("ember.server.cli", "ember.chat", "ember.bench.cli", "ember.router.cli"):
         try:
             importlib.import_module(module).register(sub)
         except ModuleNotFoundError as exc:

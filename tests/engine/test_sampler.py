@@ -123,3 +123,10 @@ def test_seeded_sampling_is_batch_independent(fp32_engine):
     engine.add_request("other", engine.tokenizer.encode("Something else entirely"), greedy(12))
     batched = final_tokens(run_all(engine)["seeded-batched"])
     assert alone == batched
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.randn(1, 100) * 50
+    for t in (1e-300, 5e-324, 1e-6):
+        tokens, _ = Sampler()(logits, [make_request(SamplingParams(temperature=t, top_p=0.5, seed=1))])
+        assert tokens == [int(logits.argmax())]

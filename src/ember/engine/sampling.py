@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from ember.errors import InvalidSamplingParamsError
 
 MAX_TOP_LOGPROBS = 20
+# Temperatures below this sample greedily: dividing logits by a subnormal
+# temperature overflows to inf and the softmax to NaN.
+GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 
@@ -15,7 +18,7 @@ MAX_STOP_STRING_CHARS = 256
 class SamplingParams:
     """Sampling and stopping options of one request (OpenAI semantics where they exist).
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k.
+    ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included) means greedy. ``top_k <= 0`` disables top-k.
     ``logprobs`` is the number of alternatives to report per token (0 reports
     only the sampled token's log-probability; None reports nothing).
     ``max_tokens=None`` lets the request run to the end of the context.
@@ -46,7 +49,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

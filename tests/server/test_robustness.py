@@ -1,0 +1,171 @@
+"""Hostile input, cancellation storms, deadlines and metrics against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from server_process import metric_value
+
+pytestmark = pytest.mark.timeout(300)
+HELLO = [{"role": "user", "content": "Hi"}]
+LONG = [{"role": "user", "content": "Write a very long essay about the history of the Roman Empire."}]
+
+
+def assert_openai_error(response: httpx.Response, status: int | None = None) -> dict:
+    assert 400 <= response.status_code < 500, (response.status_code, response.text)
+    if status is not None:
+        assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"} and body["error"]["message"]
+    return body["error"]
+
+
+def assert_healthy(server) -> None:
+    r = httpx.post(f"{server.url}/chat/completions", json={"messages": HELLO, "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+HOSTILE = [
+    ("malformed json", b'{"messages": [', {}),
+    ("not an object", b"[1, 2, 3]", {}),
+    ("wrong type", json.dumps({"messages": "hello"}).encode(), {}),
+    ("wrong role", json.dumps({"messages": [{"role": "wizard", "content": "x"}]}).encode(), {}),
+    ("empty messages", json.dumps({"messages": []}).encode(), {}),
+    ("huge max_tokens", json.dumps({"messages": HELLO, "max_tokens": 10**12}).encode(), {}),
+    ("negative max_tokens", json.dumps({"messages": HELLO, "max_tokens": -5}).encode(), {}),
+    ("negative temperature", json.dumps({"messages": HELLO, "temperature": -1}).encode(), {}),
+    ("nan top_p", b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', {}),
+    ("string number", json.dumps({"messages": HELLO, "max_tokens": "many"}).encode(), {}),
+    ("invalid utf-8", b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', {}),
+    ("image part", json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), {}),
+    ("10,000 messages", json.dumps({"messages": HELLO * 10_000}).encode(), {}),
+    ("empty body", b"", {}),
+    ("bad timeout header", json.dumps({"messages": HELLO}).encode(), {"X-Request-Timeout": "soon"}),
+    ("n=5", json.dumps({"messages": HELLO, "n": 5}).encode(), {}),
+    ("huge seed", json.dumps({"messages": HELLO, "seed": 2**80}).encode(), {}),
+    ("top_logprobs without logprobs", json.dumps({"messages": HELLO, "top_logprobs": 3}).encode(), {}),
+]
+
+
+@pytest.mark.parametrize("name,body,headers", HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_bodies_get_4xx_and_server_stays_healthy(server, name, body, headers):
+    r = httpx.post(f"{server.url}/chat/completions", content=body, headers={"Content-Type": "application/json", **headers}, timeout=60)
+    assert_openai_error(r)
+    assert r.status_code != 422
+
+
+def test_ten_megabyte_body_is_413(server):
+    body = json.dumps({"messages": [{"role": "user", "content": "x" * 10_000_000}]}).encode()
+    r = httpx.post(f"{server.url}/chat/completions", content=body, headers={"Content-Type": "application/json"}, timeout=60)
+    assert_openai_error(r, 413)
+    # Chunked upload without Content-Length: the limit still holds.
+    def chunks():
+        for _ in range(10):
+            yield b"x" * 1_000_000
+    r = httpx.post(f"{server.url}/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}, timeout=60)
+    assert_openai_error(r, 413)
+    assert_healthy(server)
+
+
+def test_completions_hostile(server):
+    for body in ({"prompt": ""}, {"prompt": ["a", "b"]}, {"prompt": [10**9]}, {"prompt": "x", "logprobs": 99}, {}):
+        assert_openai_error(httpx.post(f"{server.url}/completions", json=body, timeout=30))
+    assert_openai_error(httpx.get(f"{server.url}/nope"), 404)
+    assert_openai_error(httpx.get(f"{server.url}/chat/completions"), 405)
+    assert_healthy(server)
+
+
+def test_cancellation_storm_leaks_nothing(server):
+    idle = metric_value(server.metrics(), "llm_kv_cache_usage_ratio")
+
+    async def one(client: httpx.AsyncClient) -> str:
+        try:
+            async with client.stream("POST", f"{server.url}/chat/completions", json={"messages": LONG, "stream": True, "max_tokens": 300, "ignore_eos": True}) as r:
+                async for _ in r.aiter_bytes():
+                    pass
+            return "finished"
+        except httpx.TimeoutException:
+            return "cut"
+
+    async def storm() -> list[str]:
+        timeout = httpx.Timeout(0.5, connect=5.0)
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+            return await asyncio.gather(*[asyncio.wait_for(one(client), 30) for _ in range(100)])
+
+    results = asyncio.run(storm())
+    assert len(results) == 100 and results.count("cut") >= 90
+    started = time.monotonic()
+    assert_healthy(server)
+    assert time.monotonic() - started < 10
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if metric_value(server.metrics(), "llm_kv_cache_usage_ratio") <= idle and metric_value(server.metrics(), "llm_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert metric_value(server.metrics(), "llm_kv_cache_usage_ratio") <= idle
+    assert metric_value(server.metrics(), "llm_requests_running") == 0
+
+
+def test_non_streaming_disconnect_aborts(server):
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/chat/completions", json={"messages": LONG, "max_tokens": 400, "ignore_eos": True}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while metric_value(server.metrics(), "llm_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric_value(server.metrics(), "llm_requests_running") == 0
+
+
+def test_deadline_stops_generation_on_time(server):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url, api_key="x", max_retries=0)
+    started = time.monotonic()
+    r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=LONG, max_tokens=1000, extra_body={"timeout": 0.5, "ignore_eos": True})
+    elapsed = time.monotonic() - started
+    assert elapsed < 1.5, elapsed
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].model_extra.get("stop_reason") == "timeout"
+    assert 0 < r.usage.completion_tokens < 1000
+    # Streamed, via the header: the last chunk before [DONE] carries the marker.
+    stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=LONG, max_tokens=1000, stream=True,
+                                            extra_body={"ignore_eos": True}, extra_headers={"X-Request-Timeout": "0.5"})
+    chunks = list(stream)
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "length" and last.model_extra.get("stop_reason") == "timeout"
+    assert metric_value(server.metrics(), "llm_requests_running") == 0
+
+
+def test_max_tokens_preset_and_limit_are_visible(server):
+    r = httpx.post(f"{server.url}/chat/completions", json={"messages": LONG, "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200
+    assert r.headers["x-ember-max-tokens"] == "80"  # the support profile's default
+    assert r.json()["usage"]["completion_tokens"] == 80
+    r = httpx.post(f"{server.url}/chat/completions", json={"messages": HELLO, "max_tokens": 5000}, timeout=60)
+    assert r.headers["x-ember-max-tokens"] == "1024" and r.headers["x-ember-max-tokens-clamped"] == "1"
+
+
+def test_request_id_echoed_or_generated(server):
+    r = httpx.get(f"{server.url}/models", headers={"X-Request-ID": "abc-123"})
+    assert r.headers["x-request-id"] == "abc-123"
+    assert len(httpx.get(f"{server.url}/models").headers["x-request-id"]) >= 16
+
+
+def test_metrics_parse_and_count_requests(server):
+    before = server.metrics()
+    n_before = metric_value(before, "llm_request_duration_seconds_count")
+    ttft_before = metric_value(before, "llm_time_to_first_token_seconds_count")
+    for _ in range(3):
+        httpx.post(f"{server.url}/chat/completions", json={"messages": HELLO, "max_tokens": 4}, timeout=60).raise_for_status()
+    after = server.metrics()
+    assert metric_value(after, "llm_request_duration_seconds_count") == n_before + 3
+    assert metric_value(after, "llm_time_to_first_token_seconds_count") == ttft_before + 3
+    for name in ("llm_inter_token_latency_seconds_count", "llm_request_queue_seconds_count", "llm_prompt_tokens_total",
+                 "llm_generation_tokens_total", "llm_requests_waiting", "llm_kv_cache_bytes", "process_resident_memory_bytes"):
+        metric_value(after, name)
+    assert metric_value(after, "llm_request_errors_total", {"code": "400"}) >= 0 or True
