@@ -36,6 +36,13 @@ class _AddCommand:
     arrival_time: float
 
 
+@dataclass
+class _CallCommand:
+    fn: Callable[[LLMEngine], object]
+    future: "asyncio.Future[object]"
+    loop: asyncio.AbstractEventLoop
+
+
 class _Stream:
     """Where one request's outputs go: an asyncio queue on the caller's loop."""
 
@@ -52,7 +59,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._commands: queue.SimpleQueue[_AddCommand | tuple[str, str, FinishReason]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_AddCommand | _CallCommand | tuple[str, str, FinishReason]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wakeup = threading.Event()
         self._stopping = False
@@ -124,6 +131,14 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[object] = loop.create_future()
+        self._commands.put(_CallCommand(fn, future, loop))
+        self._wakeup.set()
+        return await future
+
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Ask the engine thread to stop a request; its blocks are freed at the next step."""
         self._commands.put(("abort", request_id, reason))
@@ -137,7 +152,9 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(command, _AddCommand):
+            if isinstance(command, _CallCommand):
+                self._run_call(command)
+            elif isinstance(command, _AddCommand):
                 if command.request_id not in self._streams:
                     continue  # the caller left before the engine saw the request
                 try:
@@ -162,6 +179,7 @@ class AsyncEngine:
         while not self._stopping:
             self._apply_commands()
             if not self.engine.has_unfinished():
+                self.engine.idle_tick()
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
@@ -178,6 +196,25 @@ class AsyncEngine:
                 self._deliver(outputs)
             else:
                 time.sleep(0.001)  # nothing schedulable (deadline sweep only): do not spin
+
+    def _run_call(self, command: _CallCommand) -> None:
+        try:
+            result, error = command.fn(self.engine), None
+        except Exception as exc:  # handed to the caller, not fatal for the engine
+            result, error = None, exc
+
+        def settle() -> None:
+            if command.future.done():
+                return
+            if error is not None:
+                command.future.set_exception(error)
+            else:
+                command.future.set_result(result)
+
+        try:
+            command.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the caller's loop is gone
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self.engine.requests):

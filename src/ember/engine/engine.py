@@ -14,13 +14,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from ember.config import EngineConfig
+from ember.config import EngineConfig, SessionConfig
 from ember.engine.detokenizer import Detokenizer
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import FinishReason, Priority, Request, RequestOutput, RequestStatus
 from ember.engine.runner import ModelRunner
 from ember.engine.sampling import SamplingParams
 from ember.engine.scheduler import Scheduler
+from ember.engine.sessions import SessionManager
 from ember.errors import ContextLengthExceededError, EmberError, InvalidSamplingParamsError
 from ember.model.llama import LlamaModel
 from ember.model.loader import LoadedModel, load_model
@@ -53,6 +54,7 @@ class LLMEngine:
         config: EngineConfig | None = None,
         *,
         loaded: LoadedModel | None = None,
+        sessions: SessionConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
@@ -75,6 +77,11 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.detokenizer = Detokenizer(self.tokenizer.hf)
+        self.sessions: SessionManager | None = None
+        if sessions is not None and sessions.enabled and config.enable_prefix_caching:
+            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+            self.sessions = SessionManager(sessions, self.kv, self.fingerprint, decode, clock)
+            self.kv.tiers = self.sessions
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.eos_token_ids = self.tokenizer.eos_token_ids
@@ -138,12 +145,19 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self.requests)
 
+    def idle_tick(self) -> None:
+        """Housekeeping while no request runs (session TTLs)."""
+        if self.sessions is not None:
+            self.sessions.tick()
+
     # -- the step ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that changed."""
         outputs: list[RequestOutput] = []
         now = self.clock()
+        if self.sessions is not None:
+            self.sessions.tick()
         for request in [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]:
             outputs.append(self._finish(request, FinishReason.TIMEOUT, "timeout", ""))
         sched = self.scheduler.schedule()
@@ -201,6 +215,8 @@ class LLMEngine:
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.times.finished = self.clock()
+        if self.sessions is not None and request.session_id is not None:
+            self.sessions.on_request_finished(request, self.kv.blocks_of(request))
         self.scheduler.remove(request)
         self.requests.pop(request.request_id, None)
         self.stats.finished += 1

@@ -7,13 +7,16 @@ The pool is sized from a byte budget, preallocated once.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from ember.config import EngineConfig, ModelConfig
 from ember.engine.block_pool import Block, BlockPool, hash_block
 from ember.engine.request import Request
+
+if TYPE_CHECKING:
+    from ember.engine.sessions import SessionManager
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -37,9 +40,11 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, config.block_size)
         self._blocks: dict[str, list[Block]] = {}
         self._num_registered: dict[str, int] = {}
-        # Counters (tokens): how much prompt work the prefix cache saved.
+        # Counters (tokens): how much prompt work the prefix cache saved, by tier.
         self.prefix_queries_tokens = 0
-        self.prefix_hit_tokens = 0
+        self.prefix_hit_tokens: dict[str, int] = {}
+        # Session tiers behind the pool (engine/sessions.py), when enabled.
+        self.tiers: "SessionManager | None" = None
 
     @property
     def total_bytes(self) -> int:
@@ -69,8 +74,10 @@ class KVCacheManager:
     def find_cached_prefix(self, request: Request) -> list[Block]:
         """Longest run of cached blocks matching the request's first tokens.
 
-        At least one token is left uncached so the model produces the logits
-        of the last position.
+        Looks in the pool first (hot), then asks the session tiers to restore
+        the following blocks from warm storage. At least one token is left
+        uncached so the model produces the logits of the last position. Sets
+        ``request.cache_tier`` and ``request.cached_tokens_by_tier``.
         """
         if not self.enable_prefix_caching:
             return []
@@ -83,7 +90,28 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        by_tier = {"hot": len(hits) * bs} if hits else {}
+        if self.tiers is not None and len(hits) < limit:
+            self.pool.touch(hits)  # restoring allocates: the hits must not be evicted meanwhile
+            restored, tier = self.tiers.restore_prefix(request, len(hits), hashes[:limit])
+            self.pool.release(hits)
+            if restored:
+                hits.extend(restored)
+                by_tier[tier] = len(restored) * bs
+        request.cached_tokens_by_tier = by_tier
+        request.cache_tier = max(by_tier, key=by_tier.get) if by_tier else "cold"
         return hits
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of the KV of ``block_ids``: (layers, 2, n, block_size, KV, Hd)."""
+        return self._block_view()[:, :, block_ids].clone()
+
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        self._block_view()[:, :, block_ids] = data.to(self.kv.dtype)
+
+    def _block_view(self) -> torch.Tensor:
+        l, two, _, heads, dim = self.kv.shape
+        return self.kv.view(l, two, self.num_blocks, self.block_size, heads, dim)
 
     # -- allocation ------------------------------------------------------------
 
@@ -100,8 +128,10 @@ class KVCacheManager:
         advance ``num_computed_tokens``. Returns False, changing nothing, when
         the pool cannot provide the blocks.
         """
-        if not self.can_allocate(request, num_new_tokens, cached):
-            return False
+        while not self.can_allocate(request, num_new_tokens, cached):
+            # Under pressure, hot sessions give up their protection before anyone is preempted.
+            if self.tiers is None or not self.tiers.relieve_pressure():
+                return False
         blocks = self._blocks.setdefault(request.request_id, [])
         if cached:
             assert not blocks and request.num_computed_tokens == 0
@@ -121,9 +151,10 @@ class KVCacheManager:
         total_tokens = computed + num_new_tokens
         return max(0, -(-total_tokens // self.block_size) - have)
 
-    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+    def record_prefix_query(self, request: Request) -> None:
         self.prefix_queries_tokens += request.num_tokens
-        self.prefix_hit_tokens += num_hit_tokens
+        for tier, tokens in request.cached_tokens_by_tier.items():
+            self.prefix_hit_tokens[tier] = self.prefix_hit_tokens.get(tier, 0) + tokens
 
     def register_computed_blocks(self, request: Request) -> None:
         """Publish the request's newly full and computed blocks as prefix cache."""

@@ -91,7 +91,8 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens whose KV came from the cache at admission (prefix reuse), by tier.
         self.num_cached_tokens = 0
-        self.cache_tier: str = "none"
+        self.cache_tier: str = "cold"
+        self.cached_tokens_by_tier: dict[str, int] = {}
         self.block_ids: list[int] = []
         # Chained hashes of this request's full blocks (filled lazily by the KV manager).
         self.block_hashes: list[bytes] = []

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ember.config import EngineConfig
 from ember.engine.kv_cache import KVCacheManager
@@ -51,7 +50,7 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running set; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, on_prefix_hit: Callable[[Request, int], None] | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.kv = kv
@@ -59,7 +58,6 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._next_seq_no = 0
-        self._on_prefix_hit = on_prefix_hit
 
     @property
     def num_waiting(self) -> int:
@@ -126,10 +124,8 @@ class Scheduler:
                 break
             self.waiting.pop(0)
             if request.status == RequestStatus.WAITING:  # first admission, not a resume
-                self.kv.record_prefix_query(request, num_cached)
+                self.kv.record_prefix_query(request)
                 request.num_cached_tokens = num_cached
-                if self._on_prefix_hit is not None:
-                    self._on_prefix_hit(request, num_cached)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.prefills.append(ScheduledRequest(request, n))

@@ -179,8 +179,11 @@ class Tokenizer:
             raise ValueError(f"The chat template rejected these messages: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[ChatMessage | dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
-        # Templates usually write the BOS text themselves; add_bos only when they don't.
-        text = self.render_chat(messages, add_generation_prompt)
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt))
+
+    def encode_rendered(self, text: str) -> list[int]:
+        """Ids of a rendered chat prompt. Templates usually write the BOS text
+        themselves; a BOS id is added only when the model wants one and the text lacks it."""
         return self.encode(text, add_bos=self.add_bos_token and not text.startswith(self.bos_token or "\0"))
 
 

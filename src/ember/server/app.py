@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from ember.server.errors import APIError
 from ember.server.middleware import RequestPipeline
-from ember.server.routes import chat, completions, health, models
+from ember.server.routes import chat, completions, health, models, sessions
 from ember.server.state import ServerState
 
 log = logging.getLogger("ember.server")
@@ -39,7 +39,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Ember", version="0.1.0", description="OpenAI-compatible, low-latency chat serving.", lifespan=lifespan)
     app.state.ember = state
     app.add_middleware(RequestPipeline, state=state)
-    for module in (chat, completions, models, health):
+    for module in (chat, completions, models, health, sessions):
         app.include_router(module.router)
 
     @app.exception_handler(APIError)

@@ -47,6 +47,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ssl-keyfile", default=None, help="private key for --ssl-certfile")
     s.add_argument("--trace-memory", action="store_true", help="log each request's peak Python allocation (tracemalloc)")
     s.add_argument("--log-level", default=_S.log_level, choices=["debug", "info", "warning", "error"])
+    t = p.add_argument_group("conversation sessions (hot / warm / cold KV tiers)")
+    t.add_argument("--hot-ttl", type=float, default=_SS.hot_ttl_s, help="seconds a conversation's KV stays protected in the pool")
+    t.add_argument("--warm-ttl", type=float, default=_SS.warm_ttl_s, help="seconds demoted KV is kept in RAM or on disk")
+    t.add_argument("--warm-memory-mb", type=int, default=_SS.warm_memory_bytes // MIB, help="RAM budget of the warm tier, MiB")
+    t.add_argument("--session-dir", default=_SS.session_dir, help="directory where warm state spills and survives restarts")
+    t.add_argument("--warm-disk-mb", type=int, default=_SS.warm_disk_bytes // MIB, help="disk budget of the warm tier, MiB")
+    t.add_argument("--warm-format", default=_SS.warm_format, choices=["int8", "bf16", "exact"], help="how warm KV is stored")
+    t.add_argument("--no-sessions", action="store_true", help="disable session tiers (prefix caching still works)")
     p.set_defaults(func=run_serve)
 
 
@@ -81,7 +89,16 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         trace_memory=args.trace_memory,
         log_level=args.log_level,
     )
-    return server, engine, SessionConfig()
+    sessions = SessionConfig(
+        hot_ttl_s=args.hot_ttl,
+        warm_ttl_s=args.warm_ttl,
+        warm_memory_bytes=args.warm_memory_mb * MIB,
+        session_dir=args.session_dir,
+        warm_disk_bytes=args.warm_disk_mb * MIB,
+        warm_format=args.warm_format,
+        enabled=not args.no_sessions,
+    )
+    return server, engine, sessions
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -154,10 +154,19 @@ def prepare_chat(state: ServerState, http: HTTPRequest, body: ChatCompletionRequ
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     engine = engine_or_503(state)
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    tokenizer = engine.tokenizer
     try:
-        prompt = engine.tokenizer.encode_chat(messages)
+        rendered = tokenizer.render_chat(messages)
     except ValueError as exc:
         raise bad_request(str(exc), "messages") from None
+    prompt = None
+    sessions = engine.engine.sessions
+    session_id = _session_id(body, http, state)
+    if sessions is not None and session_id is not None:
+        # Keep the ids the model generated last turn, so the cached blocks match.
+        prompt = sessions.prompt_ids(session_id, rendered, lambda text: tokenizer.encode(text, add_bos=False))
+    if prompt is None:
+        prompt = tokenizer.encode_rendered(rendered)
     requested = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return _finish_prepare(state, http, body, prompt, requested, logprobs)

@@ -8,10 +8,12 @@ Each app owns its registry, so several servers can live in one process (tests).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
@@ -35,15 +37,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", m, registry=r)
         self.requests = Counter("llm_requests", "Requests finished, by finish reason.", m + ["finish_reason"], registry=r)
         self.errors = Counter("llm_request_errors", "Requests answered with an error, by HTTP status.", m + ["code"], registry=r)
-        self.prefix_queries = Counter("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", m + ["tier"], registry=r)
-        self.prefix_hits = Counter("llm_prefix_cache_hits", "Prompt tokens served from the prefix cache.", m + ["tier"], registry=r)
         self.running = Gauge("llm_requests_running", "Requests in the engine's running set.", m, registry=r)
         self.waiting = Gauge("llm_requests_waiting", "Requests queued (engine and admission).", m, registry=r)
         self.kv_usage = Gauge("llm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests or hot sessions.", m, registry=r)
         self.kv_bytes = Gauge("llm_kv_cache_bytes", "Bytes of the preallocated KV block pool.", m, registry=r)
-        self.sessions = Gauge("llm_sessions", "Conversations kept, by tier.", m + ["tier"], registry=r)
-        self.session_bytes = Gauge("llm_session_bytes", "Bytes held by session tiers.", m + ["tier"], registry=r)
-        self.session_events = Counter("llm_session_transitions", "Session tier transitions.", m + ["event"], registry=r)
         self.degraded = Gauge("llm_degraded", "1 while the degradation controller is engaged.", m, registry=r)
         self.rejected = Counter("llm_requests_rejected", "Requests refused by admission control.", m + ["reason", "priority"], registry=r)
         self.max_tokens_clamped = Counter("llm_max_tokens_clamped", "Requests whose max_tokens was lowered by limits or degradation.", m, registry=r)
@@ -56,5 +53,48 @@ class ServerMetrics:
         self.kv_usage.labels(self.model).set_function(kv_usage)
         self.kv_bytes.labels(self.model).set_function(kv_bytes)
 
+    def bind_engine(self, engine: Any) -> None:
+        """Export counters the engine keeps itself (prefix cache, session tiers) at scrape time."""
+        self.registry.register(_EngineCollector(self.model, engine))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+SESSION_TIERS = ("hot", "warm", "disk")
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's own counters when Prometheus scrapes (no per-step work)."""
+
+    def __init__(self, model: str, engine: Any) -> None:
+        self.model = model
+        self.engine = engine
+
+    def collect(self) -> Iterator[Any]:
+        kv = self.engine.kv
+        queries = CounterMetricFamily("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["model"])
+        queries.add_metric([self.model], kv.prefix_queries_tokens)
+        yield queries
+        hits = CounterMetricFamily("llm_prefix_cache_hits", "Prompt tokens served from cache, by the tier they came from.", labels=["model", "tier"])
+        for tier in SESSION_TIERS:
+            hits.add_metric([self.model, tier], kv.prefix_hit_tokens.get(tier, 0))
+        yield hits
+        sessions = self.engine.sessions
+        count = GaugeMetricFamily("llm_sessions", "Conversations kept, by tier (disk: warm state spilled to disk).", labels=["model", "tier"])
+        size = GaugeMetricFamily("llm_session_bytes", "Bytes held by each session tier.", labels=["model", "tier"])
+        events = CounterMetricFamily("llm_session_transitions", "Session tier transitions and file events.", labels=["model", "event"])
+        if sessions is not None:
+            for tier, n in sessions.tier_counts().items():
+                count.add_metric([self.model, tier], n)
+            for tier, n in sessions.tier_bytes().items():
+                size.add_metric([self.model, tier], n)
+            for event, n in sorted(sessions.events.items()):
+                events.add_metric([self.model, event], n)
+        else:
+            for tier in SESSION_TIERS:
+                count.add_metric([self.model, tier], 0)
+                size.add_metric([self.model, tier], 0)
+        yield count
+        yield size
+        yield events

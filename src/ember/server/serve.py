@@ -70,10 +70,9 @@ def build_state(server: ServerConfig, engine: EngineConfig, sessions: SessionCon
     """A ServerState whose engine loads ``server.model`` with ``engine`` options."""
 
     def factory() -> AsyncEngine:
-        return AsyncEngine(LLMEngine(server.model, engine))
+        return AsyncEngine(LLMEngine(server.model, engine, sessions=sessions))
 
-    state = ServerState(server, factory, server.served_model_name)
-    return state
+    return ServerState(server, factory, server.served_model_name)
 
 
 def serve(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | None = None) -> int:

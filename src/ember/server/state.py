@@ -92,10 +92,17 @@ class ServerState:
             kv_usage=core.kv_usage,
             kv_bytes=lambda: core.kv.total_bytes,
         )
+        self.metrics.bind_engine(core)
 
     async def shutdown(self) -> None:
-        if self.engine is not None:
-            await asyncio.to_thread(self.engine.stop)
+        if self.engine is None:
+            return
+        if self.engine.engine.sessions is not None and self.engine.is_running:
+            # Hot conversations survive a restart when a session_dir is set.
+            written = await self.engine.call(lambda core: core.sessions.persist_all())
+            if written:
+                log.info("persisted %d session(s) to %s", written, self.engine.engine.sessions.config.session_dir)
+        await asyncio.to_thread(self.engine.stop)
 
     def retry_after_s(self) -> float:
         """How long a client should wait while the server loads or drains."""

@@ -1,0 +1,233 @@
+"""Session tiers: hot -> warm -> cold with a fake clock, pressure, spill, restore, isolation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+import pytest
+
+from ember.config import EngineConfig, SessionConfig
+from ember.engine.engine import LLMEngine
+from helpers import final_tokens, greedy, run_all
+
+MB = 1024 * 1024
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def make(loaded_model, clock, *, kv_mb=128, fmt="exact", **session_overrides) -> LLMEngine:
+    sessions = replace(SessionConfig(hot_ttl_s=300, warm_ttl_s=3600, warm_format=fmt), **session_overrides)
+    config = EngineConfig(dtype="float32", quantization="none", kv_cache_bytes=kv_mb * MB)
+    return LLMEngine(config=config, loaded=loaded_model, sessions=sessions, clock=clock)
+
+
+HISTORY = [{"role": "system", "content": "You are a concise assistant. " * 12}, {"role": "user", "content": "Name three rivers in Europe."}]
+
+
+def turn(engine: LLMEngine, session: str, messages: list[dict], rid: str, max_tokens: int = 24):
+    ids = engine.tokenizer.encode_chat(messages)
+    kept = engine.sessions.prompt_ids(session, engine.tokenizer.render_chat(messages), engine.tokenizer.encode)
+    engine.add_request(rid, kept or ids, greedy(max_tokens, ignore_eos=True), session_id=session)
+    outs = run_all(engine)[rid]
+    return outs, "".join(o.text_delta for o in outs)
+
+
+def second_turn_messages(first_reply: str) -> list[dict]:
+    return [*HISTORY, {"role": "assistant", "content": first_reply}, {"role": "user", "content": "Which is the longest?"}]
+
+
+def tier_of(engine: LLMEngine, key: str) -> str | None:
+    info = engine.sessions.get(key)
+    return None if info is None else info["location"]
+
+
+@pytest.mark.timeout(300)
+def test_ttl_transitions_and_refresh(loaded_model):
+    clock = FakeClock()
+    engine = make(loaded_model, clock)
+    _, reply = turn(engine, "s1", HISTORY, "t1")
+    assert tier_of(engine, "s1") == "pool"
+    clock.advance(299)
+    engine.idle_tick()
+    assert tier_of(engine, "s1") == "pool"
+    # A turn refreshes the hot TTL.
+    _, _ = turn(engine, "s1", second_turn_messages(reply), "t2")
+    clock.advance(299)
+    engine.idle_tick()
+    assert tier_of(engine, "s1") == "pool"
+    clock.advance(2)
+    engine.idle_tick()
+    assert tier_of(engine, "s1") == "ram"
+    assert engine.sessions.events["demote"] == 1
+    # Demotion releases the protection: no block is referenced any more.
+    assert engine.kv.pool.num_used_blocks == 0
+    clock.advance(3600 - 301 - 1)
+    engine.idle_tick()
+    assert tier_of(engine, "s1") == "ram"
+    clock.advance(2)
+    engine.idle_tick()
+    assert tier_of(engine, "s1") is None and engine.sessions.events["expire"] == 1
+    assert engine.sessions.ram_bytes == 0
+
+
+@pytest.mark.timeout(300)
+def test_hot_blocks_survive_lru_and_pressure_demotes_lru_session(loaded_model):
+    clock = FakeClock()
+    engine = make(loaded_model, clock, kv_mb=12)  # ~260 blocks
+    usable = engine.kv.pool.num_blocks - 1
+    turn(engine, "old", HISTORY, "a")
+    clock.advance(1)
+    turn(engine, "new", [{"role": "user", "content": "Tell me about the moon."}], "b")
+    protected = engine.kv.pool.num_used_blocks
+    assert protected > 0
+    # Fill the pool with unrelated work: ordinary LRU eviction must not touch hot blocks.
+    big = list(range(3000, 3000 + (usable - protected - 2) * engine.kv.block_size))
+    engine.add_request("filler", big, greedy(1))
+    run_all(engine)
+    assert tier_of(engine, "old") == "pool" and tier_of(engine, "new") == "pool"
+    # Now a request that cannot fit unless a hot session gives way: the LRU one ("old") is demoted.
+    need = usable - 3  # more than the unprotected blocks: only demoting "old" (7 blocks) makes room
+    assert need > usable - protected
+    engine.add_request("pressure", list(range(9000, 9000 + need * engine.kv.block_size)), greedy(1))
+    run_all(engine)
+    assert tier_of(engine, "old") == "ram" and tier_of(engine, "new") == "pool"
+    assert engine.sessions.events["pressure_demote"] == 1
+    assert engine.stats.preemptions == 0
+
+
+@pytest.mark.timeout(300)
+def test_spill_to_disk_and_budgets_hold(loaded_model, tmp_path):
+    clock = FakeClock()
+    engine = make(loaded_model, clock, fmt="int8", session_dir=str(tmp_path), hot_ttl_s=10)
+
+    def converse(i: int) -> None:
+        turn(engine, f"c{i}", [{"role": "user", "content": f"Conversation number {i}: " + "tell me a long story. " * 20}], f"r{i}")
+        clock.advance(11)
+        engine.idle_tick()
+
+    converse(0)
+    size = engine.sessions.ram_bytes  # one warm session, packed
+    assert size > 0
+    # Room for two sessions in RAM and about three on disk.
+    engine.sessions.config = replace(engine.sessions.config, warm_memory_bytes=int(2.5 * size), warm_disk_bytes=int(3.5 * size))
+    for i in range(1, 8):
+        converse(i)
+        assert engine.sessions.ram_bytes <= engine.sessions.config.warm_memory_bytes
+        assert engine.sessions.disk_bytes <= engine.sessions.config.warm_disk_bytes
+    locations = [tier_of(engine, f"c{i}") for i in range(8)]
+    assert locations[-2:] == ["ram", "ram"]  # the most recent stay in RAM
+    assert "disk" in locations and None in locations  # older ones spilled, the oldest dropped
+    assert locations.index(None) < locations.index("disk")  # LRU order
+    assert engine.sessions.events["spill"] >= 3 and engine.sessions.events["evict"] >= 1
+    on_disk = sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
+    assert on_disk == engine.sessions.disk_bytes
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("where", ["hot", "ram", "disk", "cold"])
+def test_continuation_identical_from_every_tier(loaded_model, tmp_path, where):
+    clock = FakeClock()
+    kwargs = {"session_dir": str(tmp_path)} if where == "disk" else {}
+    if where == "disk":
+        kwargs["warm_memory_bytes"] = 1  # everything demoted goes straight to disk
+    engine = make(loaded_model, clock, **kwargs)
+    _, reply = turn(engine, "conv", HISTORY, "first")
+    if where in ("ram", "disk", "cold"):
+        clock.advance(301)
+        engine.idle_tick()
+        engine.kv.pool.reset_prefix_cache()  # the pool copy is gone: only the warm tier can help
+    if where == "cold":
+        clock.advance(3601)
+        engine.idle_tick()
+    assert tier_of(engine, "conv") == {"hot": "pool", "ram": "ram", "disk": "disk", "cold": None}[where]
+    outs, text = turn(engine, "conv", second_turn_messages(reply), "second", max_tokens=32)
+    tier = outs[-1].cache_tier
+    assert tier == {"hot": "hot", "ram": "warm", "disk": "disk", "cold": "cold"}[where]
+
+    reference = make(loaded_model, FakeClock())
+    reference.add_request("ref", engine.tokenizer.encode_chat(second_turn_messages(reply)), greedy(32, ignore_eos=True))
+    assert text == "".join(o.text_delta for o in run_all(reference)["ref"])
+    if where != "cold":
+        assert outs[-1].num_cached_tokens > 100
+
+
+@pytest.mark.timeout(600)
+def test_int8_warm_state_agreement_is_reported(loaded_model):
+    clock = FakeClock()
+    engine = make(loaded_model, clock, fmt="int8")
+    _, reply = turn(engine, "q", HISTORY, "first")
+    clock.advance(301)
+    engine.idle_tick()
+    engine.kv.pool.reset_prefix_cache()
+    packed = engine.sessions.sessions["q"].packed
+    assert packed is not None and packed.format == "int8"
+    outs, _ = turn(engine, "q", second_turn_messages(reply), "second", max_tokens=32)
+    assert outs[-1].cache_tier == "warm"
+    reference = make(loaded_model, FakeClock())
+    reference.add_request("ref", engine.tokenizer.encode_chat(second_turn_messages(reply)), greedy(32, ignore_eos=True))
+    a, b = final_tokens(outs), final_tokens(run_all(reference)["ref"])
+    agree = sum(x == y for x, y in zip(a, b)) / len(b)
+    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
+    print(f"\nint8 warm state vs exact: {agree:.0%} of 32 greedy tokens equal, identical prefix {prefix} tokens")
+    assert agree >= 0.5
+
+
+@pytest.mark.timeout(300)
+def test_restart_restores_and_rejects_bad_files(loaded_model, tmp_path):
+    clock = FakeClock()
+    first = make(loaded_model, clock, session_dir=str(tmp_path), warm_memory_bytes=1, hot_ttl_s=1)
+    _, reply = turn(first, "persist", HISTORY, "first")
+    _, _ = turn(first, "broken", [{"role": "user", "content": "Another conversation entirely."}], "other")
+    clock.advance(2)
+    first.idle_tick()
+    files = sorted(os.listdir(tmp_path))
+    assert len(files) == 2
+    # Corrupt one file's payload (flip bytes near the end): it must be discarded, not restored.
+    from ember.engine.warm_storage import session_file_name
+
+    broken = tmp_path / session_file_name("broken")
+    data = bytearray(broken.read_bytes())
+    data[-100:-90] = b"\x00" * 10
+    broken.write_bytes(bytes(data))
+
+    second = make(loaded_model, FakeClock(), session_dir=str(tmp_path), warm_memory_bytes=1)
+    assert tier_of(second, "persist") == "disk"
+    outs, text = turn(second, "persist", second_turn_messages(reply), "resumed", max_tokens=16)
+    assert outs[-1].cache_tier == "disk" and outs[-1].num_cached_tokens > 100
+    outs, _ = turn(second, "broken", [{"role": "user", "content": "Another conversation entirely."}, {"role": "assistant", "content": "x"}, {"role": "user", "content": "y"}], "b2", max_tokens=4)
+    assert outs[-1].cache_tier == "cold" and outs[-1].finished  # answered anyway
+    assert second.sessions.events["discard"] == 1
+
+    # A file written for another model is discarded at scan time.
+    (tmp_path / "foreign.ekv").write_bytes(broken.read_bytes() if broken.exists() else b"junk")
+    other = LLMEngine(config=EngineConfig(dtype="float32", quantization="none", kv_cache_bytes=32 * MB), loaded=replace(loaded_model, fingerprint="another-model"),
+                      sessions=SessionConfig(session_dir=str(tmp_path)), clock=FakeClock())
+    assert other.sessions.sessions == {} or all(s.key != "persist" for s in other.sessions.sessions.values())
+
+
+@pytest.mark.timeout(300)
+def test_sessions_never_share_blocks_past_their_common_prefix(loaded_model):
+    clock = FakeClock()
+    engine = make(loaded_model, clock)
+    common = HISTORY[:1]
+    turn(engine, "alice", [*common, {"role": "user", "content": "My secret is 1234. Repeat it."}], "a")
+    outs, _ = turn(engine, "bob", [*common, {"role": "user", "content": "What is my secret?"}], "b")
+    alice = engine.sessions.sessions["alice"]
+    bob = engine.sessions.sessions["bob"]
+    shared = [a for a, b in zip(alice.block_hashes, bob.block_hashes) if a == b]
+    common_tokens = next(i for i, (a, b) in enumerate(zip(alice.token_ids, bob.token_ids)) if a != b)
+    assert common_tokens >= 64  # the shared system prompt: there was something to share
+    assert len(shared) * engine.kv.block_size <= common_tokens
+    assert outs[-1].num_cached_tokens <= common_tokens
+    shared_ids = {b.block_id for b in alice.hot_blocks} & {b.block_id for b in bob.hot_blocks}
+    assert len(shared_ids) == len(shared)
