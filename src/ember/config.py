@@ -109,12 +109,15 @@ class ServerConfig:
     trace_memory: bool = False
     log_level: str = "info"
     # Admission control (see server/admission.py).
-    max_queue: int = 256
-    max_queued_tokens: int = 262_144
+    max_queue: int = 64
+    max_queued_tokens: int = 65_536
     max_running: int = 32
+    per_key_concurrency: int = 0
     # Degradation controller (see server/degrade.py).
     slo_p99_s: float = 2.0
     slo_window_s: float = 120.0
+    slo_ttft_p99_s: float | None = None
+    slo_min_samples: int = 20
     extra: dict[str, str] = field(default_factory=dict)
 
 

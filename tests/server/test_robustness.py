@@ -86,6 +86,8 @@ def test_cancellation_storm_leaks_nothing(server):
     async def one(client: httpx.AsyncClient) -> str:
         try:
             async with client.stream("POST", f"{server.url}/chat/completions", json={"messages": LONG, "stream": True, "max_tokens": 300, "ignore_eos": True}) as r:
+                if r.status_code != 200:
+                    return f"http_{r.status_code}"  # admission control may refuse a few
                 async for _ in r.aiter_bytes():
                     pass
             return "finished"
@@ -99,7 +101,9 @@ def test_cancellation_storm_leaks_nothing(server):
             return await asyncio.gather(*[asyncio.wait_for(one(client), 30) for _ in range(100)])
 
     results = asyncio.run(storm())
-    assert len(results) == 100 and results.count("cut") >= 90
+    assert len(results) == 100
+    assert set(results) <= {"cut", "http_429"}, results
+    assert results.count("cut") >= 60
     started = time.monotonic()
     assert_healthy(server)
     assert time.monotonic() - started < 10

@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from ember.server.errors import APIError
 from ember.server.middleware import RequestPipeline
-from ember.server.routes import chat, completions, health, models, sessions
+from ember.server.routes import admin, chat, completions, health, models, sessions
 from ember.server.state import ServerState
 
 log = logging.getLogger("ember.server")
@@ -29,17 +29,19 @@ def create_app(state: ServerState) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(state.load())
+        watching = asyncio.create_task(state.watch_latency())
         app.state.loading_task = loading
         try:
             yield
         finally:
             loading.cancel()
+            watching.cancel()
             await state.shutdown()
 
     app = FastAPI(title="Ember", version="0.1.0", description="OpenAI-compatible, low-latency chat serving.", lifespan=lifespan)
     app.state.ember = state
     app.add_middleware(RequestPipeline, state=state)
-    for module in (chat, completions, models, health, sessions):
+    for module in (chat, completions, models, health, sessions, admin):
         app.include_router(module.router)
 
     @app.exception_handler(APIError)

@@ -47,6 +47,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--ssl-keyfile", default=None, help="private key for --ssl-certfile")
     s.add_argument("--trace-memory", action="store_true", help="log each request's peak Python allocation (tracemalloc)")
     s.add_argument("--log-level", default=_S.log_level, choices=["debug", "info", "warning", "error"])
+    a = p.add_argument_group("admission control and latency objective")
+    a.add_argument("--max-running", type=int, default=_S.max_running, help="requests inside the engine at once; the rest wait")
+    a.add_argument("--max-queue", type=int, default=_S.max_queue, help="requests that may wait; beyond: 429 + Retry-After")
+    a.add_argument("--max-queued-tokens", type=int, default=_S.max_queued_tokens, help="prompt tokens that may wait; beyond: 429")
+    a.add_argument("--per-key-concurrency", type=int, default=_S.per_key_concurrency, help="requests in flight per API key (0: unlimited)")
+    a.add_argument("--slo-p99", type=float, default=_S.slo_p99_s, help="end-to-end p99 objective, seconds; degrade when exceeded for --slo-window")
+    a.add_argument("--slo-window", type=float, default=_S.slo_window_s, help="seconds p99 must stay over (or under) the objective to degrade (or recover)")
+    a.add_argument("--slo-ttft-p99", type=float, default=_S.slo_ttft_p99_s, help="optional TTFT p99 objective, seconds")
+    a.add_argument("--slo-min-samples", type=int, default=_S.slo_min_samples, help="requests needed in the evaluation window before p99 counts")
+
     t = p.add_argument_group("conversation sessions (hot / warm / cold KV tiers)")
     t.add_argument("--hot-ttl", type=float, default=_SS.hot_ttl_s, help="seconds a conversation's KV stays protected in the pool")
     t.add_argument("--warm-ttl", type=float, default=_SS.warm_ttl_s, help="seconds demoted KV is kept in RAM or on disk")
@@ -88,6 +98,14 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         ssl_keyfile=args.ssl_keyfile,
         trace_memory=args.trace_memory,
         log_level=args.log_level,
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        max_queued_tokens=args.max_queued_tokens,
+        per_key_concurrency=args.per_key_concurrency,
+        slo_p99_s=args.slo_p99,
+        slo_window_s=args.slo_window,
+        slo_ttft_p99_s=args.slo_ttft_p99,
+        slo_min_samples=args.slo_min_samples,
     )
     sessions = SessionConfig(
         hot_ttl_s=args.hot_ttl,

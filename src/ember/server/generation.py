@@ -74,9 +74,7 @@ def _resolve_max_tokens(state: ServerState, requested: int | None, num_prompt: i
     room = max_model_len - num_prompt
     if requested is not None and requested > room:
         raise ContextLengthExceededError(num_prompt, requested, max_model_len)
-    limit = state.config.max_tokens_limit
-    if state.degrade is not None:
-        limit = min(limit, state.degrade.max_tokens_cap())
+    limit = min(state.config.max_tokens_limit, state.degrade.max_tokens_cap())
     if requested is None:
         return min(MAX_TOKENS_PRESETS[state.config.profile], limit, room), False
     applied = min(requested, limit)
@@ -99,6 +97,20 @@ def _sampling(body: _GenerationFields, max_tokens: int, logprobs: int | None) ->
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
     )
+
+
+async def admit(state: ServerState, http: HTTPRequest, prepared: PreparedRequest) -> None:
+    """Wait for admission; the slot is given back when the HTTP exchange ends (middleware)."""
+    key = http.scope["state"].get("api_key_namespace")
+    remaining = prepared.deadline - state.engine.engine.clock() if state.engine is not None else prepared.timeout_s
+    await state.admission.admit(prepared.priority, len(prepared.prompt_ids), remaining, key)
+    http.scope["state"].setdefault("on_done", []).append(lambda: state.admission.release(key))
+
+
+def _precheck(state: ServerState, http: HTTPRequest, body: _GenerationFields) -> None:
+    """Refuse cheaply (full queue, shed priority) before tokenizing anything."""
+    priority = parse_priority(body.priority, http.headers.get("x-priority"))
+    state.admission.precheck(priority, http.scope["state"].get("api_key_namespace"))
 
 
 def _check_common(state: ServerState, body: _GenerationFields) -> None:
@@ -148,6 +160,8 @@ def _finish_prepare(state: ServerState, http: HTTPRequest, body: _GenerationFiel
 
 def prepare_chat(state: ServerState, http: HTTPRequest, body: ChatCompletionRequest) -> PreparedRequest:
     _check_common(state, body)
+    engine_or_503(state)
+    _precheck(state, http, body)
     if len(body.messages) > state.config.max_messages:
         raise bad_request(f"Too many messages ({len(body.messages)}); the limit is {state.config.max_messages}.", "messages")
     if body.top_logprobs is not None and not body.logprobs:
@@ -174,6 +188,8 @@ def prepare_chat(state: ServerState, http: HTTPRequest, body: ChatCompletionRequ
 
 def prepare_completion(state: ServerState, http: HTTPRequest, body: CompletionRequest) -> PreparedRequest:
     _check_common(state, body)
+    engine_or_503(state)
+    _precheck(state, http, body)
     engine = engine_or_503(state)
     prompt_field: Any = body.prompt
     if isinstance(prompt_field, list) and prompt_field and isinstance(prompt_field[0], (str, list)):
@@ -229,8 +245,7 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[Re
                 metrics.generation_tokens.labels(model).inc(out.num_output_tokens)
                 metrics.requests.labels(model, out.finish_reason.value if out.finish_reason else "unknown").inc()
                 metrics.request_duration.labels(model).observe(now - started)
-                if state.degrade is not None:
-                    state.degrade.observe(now - started, record.get("ttft_s"))
+                state.degrade.observe(now - started, record.get("ttft_s"))
             yield out
     except ContextLengthExceededError as exc:  # validation raced with a change of limits
         raise bad_request(str(exc), "messages", "context_length_exceeded") from None

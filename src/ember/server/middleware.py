@@ -94,6 +94,8 @@ class RequestPipeline:
         except _BodyTooLarge:
             await _too_large(self._max_body)(scope, receive, send_with_id)
         finally:
+            for done in scope["state"].get("on_done", ()):
+                done()  # e.g. give the admission slot back, however the exchange ended
             if counting:
                 self.state.in_flight -= 1
             if self.state.config.trace_memory:

@@ -116,7 +116,7 @@ def reply_headers(state: ServerState, prepared: PreparedRequest) -> dict[str, st
     headers = {"X-Ember-Max-Tokens": str(prepared.max_tokens)}
     if prepared.max_tokens_clamped:
         headers["X-Ember-Max-Tokens-Clamped"] = "1"
-    if state.degrade is not None and state.degrade.degraded:
+    if state.degrade.degraded:
         headers["X-Ember-Degraded"] = "1"
     return headers
 

@@ -16,7 +16,11 @@ from typing import Callable
 from ember.config import ServerConfig
 from ember.engine.async_engine import AsyncEngine
 from ember.engine.sampling import SamplingParams
+from ember.server.admission import Admission
+from ember.server.degrade import DegradationController
 from ember.server.metrics import ServerMetrics
+
+PRIORITY_NAMES = {0: "high", 1: "normal", 2: "low"}
 
 log = logging.getLogger("ember.server")
 
@@ -43,10 +47,23 @@ class ServerState:
         self.in_flight = 0
         self.load_seconds: float | None = None
         self.warmup_seconds: float | None = None
-        # Hooks that later features (sessions, admission, degradation) attach to.
-        self.admission = None
-        self.degrade = None
-        self.sessions = None
+        self.degrade = DegradationController(
+            slo_p99_s=config.slo_p99_s,
+            window_s=config.slo_window_s,
+            ttft_slo_s=config.slo_ttft_p99_s,
+            min_samples=config.slo_min_samples,
+            on_change=self._on_degrade_change,
+        )
+        self.admission = Admission(
+            max_running=config.max_running,
+            max_queue=config.max_queue,
+            max_queued_tokens=config.max_queued_tokens,
+            per_key_concurrency=config.per_key_concurrency,
+            on_reject=lambda reason, priority: self.metrics.rejected.labels(self.model_name, reason, PRIORITY_NAMES.get(priority, "normal")).inc(),
+            shed_low=self.degrade.should_shed,
+        )
+        self.metrics.degraded.labels(self.model_name).set(0)
+        self._normal_chunk_tokens: int | None = None
 
     async def load(self) -> None:
         """Load the model off the event loop, warm it up, then flip ``ready``."""
@@ -103,6 +120,31 @@ class ServerState:
             if written:
                 log.info("persisted %d session(s) to %s", written, self.engine.engine.sessions.config.session_dir)
         await asyncio.to_thread(self.engine.stop)
+
+    def _on_degrade_change(self, degraded: bool, reason: str) -> None:
+        log.warning("degradation %s: %s", "ENGAGED" if degraded else "released", reason)
+        self.metrics.degraded.labels(self.model_name).set(1 if degraded else 0)
+        if self.engine is not None:
+            asyncio.ensure_future(self._apply_chunk_size())
+
+    async def _apply_chunk_size(self) -> None:
+        """Smaller prefill chunks while degraded protect running streams' inter-token latency."""
+        assert self.engine is not None
+        scheduler = self.engine.engine.scheduler
+        if self._normal_chunk_tokens is None:
+            self._normal_chunk_tokens = scheduler.max_num_batched_tokens
+        tokens = self.degrade.prefill_chunk_tokens(self._normal_chunk_tokens)
+
+        def apply(core) -> None:
+            core.scheduler.max_num_batched_tokens = tokens
+
+        await self.engine.call(apply)
+
+    async def watch_latency(self, period_s: float = 1.0) -> None:
+        """Re-evaluate the degradation rule even when no request finishes."""
+        while True:
+            await asyncio.sleep(period_s)
+            self.degrade.evaluate()
 
     def retry_after_s(self) -> float:
         """How long a client should wait while the server loads or drains."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ember.server.generation import prepare_chat
+from ember.server.generation import admit, prepare_chat
 from ember.server.protocol import ChatCompletionRequest
 from ember.server.responses import ChatFormat, full_reply, streaming_reply
 
@@ -17,8 +17,7 @@ async def create_chat_completion(body: ChatCompletionRequest, http: Request) -> 
     state = http.app.state.ember
     prepared = prepare_chat(state, http, body)
     prepared.record = http.scope["state"]["record"]
-    if state.admission is not None:
-        await state.admission.admit(prepared)
+    await admit(state, http, prepared)
     fmt = ChatFormat(state, prepared)
     if prepared.stream:
         return streaming_reply(state, http, prepared, fmt)

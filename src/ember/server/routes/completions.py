@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ember.server.generation import prepare_completion
+from ember.server.generation import admit, prepare_completion
 from ember.server.protocol import CompletionRequest
 from ember.server.responses import CompletionFormat, full_reply, streaming_reply
 
@@ -17,8 +17,7 @@ async def create_completion(body: CompletionRequest, http: Request) -> Response:
     state = http.app.state.ember
     prepared = prepare_completion(state, http, body)
     prepared.record = http.scope["state"]["record"]
-    if state.admission is not None:
-        await state.admission.admit(prepared)
+    await admit(state, http, prepared)
     fmt = CompletionFormat(state, prepared)
     if prepared.stream:
         return streaming_reply(state, http, prepared, fmt)

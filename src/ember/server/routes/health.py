@@ -19,8 +19,8 @@ async def health(http: Request) -> dict[str, Any]:
     body: dict[str, Any] = {"status": status, "in_flight": state.in_flight}
     if state.load_error:
         body["error"] = state.load_error
-    if state.degrade is not None:
-        body["degraded"] = state.degrade.snapshot()
+    body["degraded"] = state.degrade.snapshot()
+    body["admission"] = {"running": state.admission.running, "waiting": state.admission.num_waiting, "drain_rate_per_s": round(state.admission.drain.rate, 3)}
     return body
 
 

@@ -1,0 +1,113 @@
+"""Overload, priorities and degradation against a real server with tiny limits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from server_process import ServerProcess, metric_value
+
+pytestmark = pytest.mark.timeout(300)
+BODY = {"messages": [{"role": "user", "content": "Write a long story."}], "stream": True, "max_tokens": 24, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def small_server():
+    proc = ServerProcess("--max-running", "2", "--max-queue", "3", "--warmup-requests", "1", "--request-timeout", "60").wait_ready()
+    yield proc
+    proc.stop()
+
+
+def test_ten_times_overload_gets_fast_429s_and_admitted_finish(small_server):
+    async def one(client: httpx.AsyncClient) -> tuple[int, float, bool]:
+        started = time.perf_counter()
+        async with client.stream("POST", f"{small_server.url}/chat/completions", json=BODY) as r:
+            headers_at = time.perf_counter() - started
+            text = (await r.aread()).decode()
+            return r.status_code, headers_at, ("[DONE]" in text) if r.status_code == 200 else ("retry-after" in r.headers)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=100)) as client:
+            return await asyncio.gather(*[one(client) for _ in range(50)])  # 10x the capacity: 2 running + 3 waiting
+
+    results = asyncio.run(main())
+    statuses = [s for s, _, _ in results]
+    assert all(s < 500 for s in statuses), statuses
+    assert set(statuses) == {200, 429}
+    assert statuses.count(200) >= 4
+    assert all(ok for _, _, ok in results)  # admitted ones completed, refused ones carry Retry-After
+    refusal_times = sorted(t for s, t, _ in results if s == 429)
+    assert refusal_times[len(refusal_times) // 2] < 0.05, refusal_times  # median well under 50 ms
+    assert refusal_times[-1] < 0.25, refusal_times
+    assert metric_value(small_server.metrics(), "llm_requests_rejected_total") >= len(refusal_times)
+
+
+def test_high_priority_starts_before_low(small_server):
+    async def timed(client: httpx.AsyncClient, priority: str, delay: float) -> tuple[str, float]:
+        await asyncio.sleep(delay)
+        body = {**BODY, "stream": False, "max_tokens": 12}
+        r = await client.post(f"{small_server.url}/chat/completions", json=body, headers={"X-Priority": priority})
+        assert r.status_code == 200, r.text
+        return priority, time.perf_counter()
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            # Two long runners saturate the engine, two low wait, then one high arrives last.
+            runners = [client.post(f"{small_server.url}/chat/completions", json={**BODY, "stream": False, "max_tokens": 60}) for _ in range(2)]
+            waiting = [timed(client, "low", 0.2), timed(client, "low", 0.25), timed(client, "high", 0.4)]
+            *_, low1, low2, high = await asyncio.gather(*runners, *waiting)
+            return low1, low2, high
+
+    (_, low1), (_, low2), (_, high) = asyncio.run(main())
+    # One slot frees at a time; the high-priority request, though last in, gets the first one.
+    assert high < max(low1, low2)
+
+
+def test_degradation_enters_and_leaves():
+    import threading
+
+    proc = ServerProcess("--slo-p99", "0.3", "--slo-window", "4", "--slo-min-samples", "3", "--warmup-requests", "1").wait_ready()
+    stop = threading.Event()
+
+    def post(body: dict, **headers: str) -> httpx.Response:
+        return httpx.post(f"{proc.url}/chat/completions", json=body, headers=headers, timeout=60)
+
+    def slow_client(max_tokens: int) -> None:
+        # Different lengths keep the four clients out of step: a steady stream of slow finishes.
+        while not stop.is_set():
+            post({"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": max_tokens, "ignore_eos": True})
+
+    fast = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+    clients = [threading.Thread(target=slow_client, args=(n,)) for n in (20, 27, 34, 41)]
+    try:
+        for t in clients:
+            t.start()
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and metric_value(proc.metrics(), "llm_degraded") == 0:
+            time.sleep(0.5)
+        assert metric_value(proc.metrics(), "llm_degraded") == 1, "never degraded under slow load"
+        degraded = post({"messages": [{"role": "user", "content": "Tell a long story."}], "max_tokens": 200, "ignore_eos": True})
+        assert degraded.headers.get("x-ember-degraded") == "1"
+        assert degraded.headers["x-ember-max-tokens"] == "80"  # clamped to the support preset
+        assert degraded.json()["usage"]["completion_tokens"] == 80
+        assert httpx.get(f"{proc.base}/health").json()["degraded"]["degraded"] is True
+        assert post(fast, **{"X-Priority": "low"}).status_code == 429  # low priority is shed while degraded
+        stop.set()
+        for t in clients:
+            t.join(60)
+        # Fast traffic only: p99 falls under the objective and must stay there a full window.
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and metric_value(proc.metrics(), "llm_degraded") == 1:
+            post(fast)
+        assert metric_value(proc.metrics(), "llm_degraded") == 0, "never left degraded mode"
+        assert "x-ember-degraded" not in post(fast).headers
+        # The admin endpoint forces it.
+        assert httpx.post(f"{proc.base}/admin/degrade", json={"mode": "on"}).json()["degraded"] is True
+        assert post(fast).headers.get("x-ember-degraded") == "1"
+        assert httpx.post(f"{proc.base}/admin/degrade", json={"mode": "auto"}).json()["forced"] is None
+    finally:
+        stop.set()
+        proc.stop()
