@@ -9,7 +9,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup serve test bench bench-engine bench-server bench-sessions chat clean
+.PHONY: setup serve test promtool bench bench-engine bench-server bench-sessions chat clean
 
 setup: $(STAMP)
 
@@ -28,8 +28,15 @@ serve: $(STAMP)
 chat: $(STAMP)
 	$(BIN)/ember chat
 
-test: $(STAMP)
+test: $(STAMP) promtool
 	$(BIN)/python -m pytest -q
+
+# promtool checks the shipped alert rules (tests/deploy). Debian's package is
+# small; where it cannot be installed, set EMBER_SKIP_PROMTOOL=1 to skip visibly.
+promtool:
+	@command -v promtool >/dev/null || [ -n "$$EMBER_SKIP_PROMTOOL" ] || \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null) || \
+	  echo "WARNING: could not install promtool; tests/deploy will fail (set EMBER_SKIP_PROMTOOL=1 to skip them visibly)"
 
 bench-engine: $(STAMP)
 	$(BIN)/ember bench engine --threads $(THREADS)
