@@ -61,7 +61,7 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         sampled: list[Request] = []
-        meta = AttentionMetadata(slot_mapping=torch.empty(0))
+        meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=bs)
 
         decodes = [s.request for s in sched.decodes]
         if decodes:
@@ -74,12 +74,15 @@ class ModelRunner:
                 ctx_lens.append(p + 1)
                 logit_rows.append(i)
                 sampled.append(r)
-            longest = max(ctx_lens)
             table = self._block_table(decodes)
-            meta.num_decode_tokens = len(decodes)
-            meta.decode_slots = self._context_slots(table, longest)
             lens = torch.tensor(ctx_lens, device=self.device)
-            meta.decode_mask = (torch.arange(longest, device=self.device) < lens[:, None]).view(len(decodes), 1, 1, longest)
+            meta.num_decode_tokens = len(decodes)
+            if self.model.kernels is not None:  # the fused kernel reads block tables directly
+                meta.decode_block_tables, meta.decode_context_lens = table, lens
+            else:
+                longest = max(ctx_lens)
+                meta.decode_slots = self._context_slots(table, longest)
+                meta.decode_mask = (torch.arange(longest, device=self.device) < lens[:, None]).view(len(decodes), 1, 1, longest)
 
         for item in sched.prefills:
             r, n = item.request, item.num_new_tokens

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ember.config import ModelConfig
+from ember.kernels import cpu as cpu_kernels
 from ember.model.quant import make_linear
 
 
@@ -50,10 +51,18 @@ class AttentionMetadata:
     """
 
     slot_mapping: torch.Tensor  # (T,) cache slot of each new token
+    positions: torch.Tensor | None = None  # (T,) position of each new token
     num_decode_tokens: int = 0
+    # Decode attention inputs: padded slot lists and mask for the torch path,
+    # block tables and context lengths for the fused kernel (only one is built).
     decode_slots: torch.Tensor | None = None  # (B, L)
     decode_mask: torch.Tensor | None = None  # (B, 1, 1, L) bool
+    decode_block_tables: torch.Tensor | None = None  # (B, max_blocks)
+    decode_context_lens: torch.Tensor | None = None  # (B,)
+    block_size: int = 16
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # Rotations for the new tokens (torch path), filled by the model.
+    rope_freqs: torch.Tensor | None = None  # (T, 1, Hd/2) complex
 
 
 def rope_frequencies(config: ModelConfig, max_positions: int) -> torch.Tensor:
@@ -89,72 +98,100 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: object | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+
+    def add_norm(self, x: torch.Tensor, delta: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """``x += delta`` in place (the residual connection), then the norm of ``x`` in ``out_dtype``."""
+        if self.kernels is not None:
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            if delta is None:
+                self.kernels.rmsnorm(out, x, self.weight, self.eps)
+            else:
+                self.kernels.add_rmsnorm(out, x, delta.contiguous(), self.weight, self.eps)
+            return out
+        if delta is not None:
+            x.add_(delta)
+        return self.forward(x).to(out_dtype)
 
 
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache; q/k/v in one fused matmul."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: object | None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        qkv_weight = torch.cat([w["q"], w["k"], w["v"]])
-        qkv_bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
-        self.qkv = make_linear(qkv_weight, qkv_bias, quantization, dtype, device)
+        self.kernels = kernels
+        self.qkv = make_linear(torch.cat([w["q"], w["k"], w["v"]]), None, quantization, dtype, device)
+        # Kept apart from the matmul: the fused rotary kernel adds it on the fly.
+        bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
+        self.register_buffer("qkv_bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
         self.o = make_linear(w["o"], w.get("o_bias"), quantization, dtype, device)
 
-    def forward(
-        self,
-        x: torch.Tensor,  # (T, D)
-        freqs: torch.Tensor,  # (T, 1, Hd/2)
-        meta: AttentionMetadata,
-        k_cache: torch.Tensor,  # (num_slots, KV, Hd)
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv(x)  # (T, q + 2 kv)
-        qk = apply_rope(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), freqs)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # (T, H, Hd), (T, KV, Hd)
-        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-
-        outputs = []
+        out = torch.empty(t, self.q_size, dtype=self.o.input_dtype, device=x.device)  # (T, H * Hd)
+        if self.kernels is not None:
+            # Rotates q and k, writes k and v into the cache: one call.
+            q = self.kernels.rope_store(
+                qkv.contiguous(), self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping, k_cache, v_cache,
+                self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias,
+            )
+        else:
+            q = self._rope_store(qkv, meta, k_cache, v_cache)
         nd = meta.num_decode_tokens
         if nd:
-            outputs.append(self._decode(q[:nd], meta, k_cache, v_cache))
+            if self.kernels is not None:
+                self.kernels.paged_attention_decode(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale)
+            else:
+                out[:nd] = self._decode(q[:nd], meta, k_cache, v_cache)
         for seg in meta.prefills:
-            outputs.append(self._prefill(q[seg.start : seg.end], k[seg.start : seg.end], v[seg.start : seg.end], seg, k_cache, v_cache))
-        out = outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+            out[seg.start : seg.end] = self._prefill(q[seg.start : seg.end], seg, meta, k_cache, v_cache)
         return self.o(out)  # (T, D)
+
+    def _rope_store(self, qkv: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """The torch path of ``rope_store``: rotate q and k, write k and v to the cache, return q."""
+        t = qkv.shape[0]
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        assert meta.rope_freqs is not None
+        heads = qkv[:, : self.q_size + self.kv_size].reshape(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = apply_rope(heads, meta.rope_freqs)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
+        k_cache.index_copy_(0, meta.slot_mapping, qk[:, self.num_heads :].to(k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        return qk[:, : self.num_heads]  # (T, H, Hd)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         b = q.shape[0]
         keys = k_cache[meta.decode_slots].transpose(1, 2)  # (B, KV, L, Hd)
         values = v_cache[meta.decode_slots].transpose(1, 2)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )  # (B, H, 1, Hd)
         return out.reshape(b, self.q_size)
 
-    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: PrefillSegment, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, seg: PrefillSegment, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a prompt chunk over its whole context, read back from the cache."""
         n = q.shape[0]
-        if seg.context_slots is None:
-            keys, values, mask, causal = k, v, None, True
+        if seg.context_slots is None:  # the chunk is the whole context: plain causal attention
+            slots, mask, causal = meta.slot_mapping[seg.start : seg.end], None, True
         else:
-            keys, values, mask, causal = k_cache[seg.context_slots], v_cache[seg.context_slots], seg.mask, False
+            slots, mask, causal = seg.context_slots, seg.mask, False
+        keys, values = k_cache[slots], v_cache[slots]  # (ctx, KV, Hd)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),  # (1, H, n, Hd)
+            q.transpose(0, 1).unsqueeze(0).to(keys.dtype),  # (1, H, n, Hd)
             keys.transpose(0, 1).unsqueeze(0),  # (1, KV, ctx, Hd)
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
@@ -168,28 +205,41 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one fused matmul."""
 
-    def __init__(self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: object | None) -> None:
         super().__init__()
         self.hidden = w["gate"].shape[0]
+        self.kernels = kernels
         self.gate_up = make_linear(torch.cat([w["gate"], w["up"]]), None, quantization, dtype, device)
         self.down = make_linear(w["down"], None, quantization, dtype, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)  # (T, 2F)
-        return self.down(F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :])
+        if self.kernels is not None:
+            act = torch.empty(x.shape[0], self.hidden, dtype=self.down.input_dtype, device=x.device)
+            self.kernels.silu_mul(act, gate_up.contiguous())
+        else:
+            act = (F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :]).to(self.down.input_dtype)
+        return self.down(act)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.attn_norm = RMSNorm(w["attn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps)
-        self.attn = Attention(config, w, quantization, dtype, device)
-        self.ffn_norm = RMSNorm(w["ffn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps)
-        self.mlp = MLP(w, quantization, dtype, device)
+    """Pre-norm block. The residual additions are deferred into the next norm
+    (``add_norm``) so that each addition and normalisation is one pass."""
 
-    def forward(self, x: torch.Tensor, freqs: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), freqs, meta, k_cache, v_cache)
-        return x + self.mlp(self.ffn_norm(x))
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: object | None) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(w["attn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
+        self.attn = Attention(config, w, quantization, dtype, device, kernels)
+        self.ffn_norm = RMSNorm(w["ffn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
+        self.mlp = MLP(w, quantization, dtype, device, kernels)
+
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Adds ``delta`` (the previous block's output) to the residual ``x`` in
+        place and returns this block's MLP output, still to be added."""
+        h = self.attn_norm.add_norm(x, delta, self.attn.qkv.input_dtype)
+        attn_out = self.attn(h, meta, k_cache, v_cache)
+        h = self.ffn_norm.add_norm(x, attn_out, self.mlp.gate_up.input_dtype)
+        return self.mlp(h)
 
 
 class LlamaModel(nn.Module):
@@ -199,8 +249,11 @@ class LlamaModel(nn.Module):
     dtype and device are shared, not copied.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str, device: torch.device, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str, device: torch.device, max_positions: int, use_kernels: bool = True) -> None:
         super().__init__()
+        # The fused CPU kernels assume a float32 residual stream and KV cache.
+        kernels = cpu_kernels.load() if use_kernels and device.type == "cpu" and dtype == torch.float32 else None
+        self.kernels = kernels
         self.config = config
         self.dtype = dtype
         weights = dict(weights)  # the caller's dict stays intact (tests build several models)
@@ -208,15 +261,18 @@ class LlamaModel(nn.Module):
         lm_head = weights.pop("lm_head", None)
         self.embed = nn.Parameter(embed.to(device=device, dtype=dtype), requires_grad=False)
         self.lm_head = make_linear(embed if lm_head is None else lm_head, None, quantization, dtype, device)
-        if quantization == "none" and lm_head is None:
+        if quantization == "none" and lm_head is None and dtype == self.embed.dtype:
             self.lm_head.weight = self.embed  # tied: one copy in memory
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             layer_w = {k[len(prefix) :]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(DecoderLayer(config, layer_w, quantization, dtype, device))
+            self.layers.append(DecoderLayer(config, layer_w, quantization, dtype, device, kernels))
         self.norm = RMSNorm(weights.pop("norm").to(device=device, dtype=dtype), config.rms_norm_eps)
         self.register_buffer("rope", rope_frequencies(config, max_positions).to(device), persistent=False)
+        rope_cos, rope_sin = self.rope.real.contiguous(), self.rope.imag.contiguous()  # (max_pos, Hd/2) float32
+        for layer in self.layers:
+            layer.attn.rope_cos, layer.attn.rope_sin = rope_cos, rope_sin
 
     @torch.inference_mode()
     def forward(
@@ -228,20 +284,25 @@ class LlamaModel(nn.Module):
         logits_indices: torch.Tensor,  # (N,) rows of the flat batch that need next-token logits
     ) -> torch.Tensor:
         """Run the new tokens through the network; return float32 logits (N, vocab)."""
-        x = F.embedding(input_ids, self.embed)  # (T, D)
-        freqs = self.rope[positions].unsqueeze(1)  # (T, 1, Hd/2)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, freqs, meta, k_cache, v_cache)
+        x = self._residual_stream(input_ids, positions, meta, kv_caches)
         x = self.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return self.lm_head(x.to(self.lm_head.input_dtype)).float()
+
+    def _residual_stream(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], per_layer: list[torch.Tensor] | None = None) -> torch.Tensor:
+        x = F.embedding(input_ids, self.embed)  # (T, D), a fresh tensor: updated in place below
+        meta.positions = positions
+        if self.kernels is None:
+            meta.rope_freqs = self.rope[positions].unsqueeze(1)  # (T, 1, Hd/2)
+        delta = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            delta = layer(x, delta, meta, k_cache, v_cache)
+            if per_layer is not None:
+                per_layer.append((x + delta).float())
+        return x + delta if delta is not None else x
 
     def layer_outputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
         """Hidden state after every layer (for quantization error tests)."""
+        outs: list[torch.Tensor] = []
         with torch.inference_mode():
-            x = F.embedding(input_ids, self.embed)
-            freqs = self.rope[positions].unsqueeze(1)
-            outs = []
-            for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-                x = layer(x, freqs, meta, k_cache, v_cache)
-                outs.append(x.float())
-            return outs
+            self._residual_stream(input_ids, positions, meta, kv_caches, per_layer=outs)
+        return outs

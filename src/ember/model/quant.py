@@ -49,9 +49,10 @@ class DenseLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        self.input_dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return nn.functional.linear(x.to(self.input_dtype), self.weight, self.bias)
 
 
 def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,9 +70,11 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 class Int8Linear(nn.Module):
     """Weight-only int8 with per-output-channel scales; see the module docstring.
 
-    On CPU the product itself runs in bfloat16 whatever the activation dtype
-    (the input is cast at the layer boundary and the output cast back), because
-    both fast kernels, int8pack and the oneDNN GEMM, are bfloat16 kernels.
+    On CPU the product runs in bfloat16 whatever the activation dtype, because
+    both fast kernels, int8pack and the oneDNN GEMM, are bfloat16 kernels: the
+    input is cast at the boundary (``input_dtype`` tells producers which dtype
+    to emit so the cast is free) and the output is returned in bfloat16; the
+    float32 residual stream absorbs it.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
@@ -82,8 +85,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight", q.to(device))
         self.register_buffer("scale", scale.to(device=device, dtype=self.compute_dtype))
         self.register_buffer("dense", (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
-        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=self.compute_dtype))
         self.direct = device.type == "cpu"
+        self.input_dtype = self.compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xc = x.to(self.compute_dtype)
@@ -91,7 +95,6 @@ class Int8Linear(nn.Module):
             y = torch._weight_int8pack_mm(xc, self.qweight, self.scale)
         else:
             y = nn.functional.linear(xc, self.dense)
-        y = y.to(self.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -119,6 +122,7 @@ class DynamicInt8Linear(nn.Module):
         self._packed = torch.ops.quantized.linear_prepack(qw, fp32_bias)
         # Without VNNI, fbgemm's u8*s8 pairs can saturate int16; reduce_range avoids it.
         self._reduce_range = not _cpu_has_vnni()
+        self.input_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)

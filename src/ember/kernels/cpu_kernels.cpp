@@ -1,0 +1,257 @@
+// Fused CPU kernels for Ember's decoder (see cpu.py for when they are used).
+//
+// Each kernel replaces a chain of small ATen ops whose dispatch overhead, not
+// their arithmetic, dominates a decode step on a small model. Every kernel
+// reads and writes plain contiguous tensors; accumulation is in float32.
+//
+// Layouts (the same as model/llama.py):
+//   activations  (T, D) row-major, float32 residual stream
+//   qkv          (T, (H + 2 KV) * Hd), q heads then k heads then v heads
+//   rotary       interleaved pairs: dims (2j, 2j+1) rotate by pos * theta_j
+//   KV cache     (num_slots, KV, Hd) per layer; slot = block * block_size + offset
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <vector>
+
+using torch::Tensor;
+using BF16 = c10::BFloat16;
+
+namespace {
+
+template <typename T>
+inline float load(const T* p, int64_t i) {
+  return static_cast<float>(p[i]);
+}
+
+template <typename T>
+inline void store(T* p, int64_t i, float v) {
+  p[i] = static_cast<T>(v);
+}
+
+// Calls fn with a typed pointer for a float32 or bfloat16 tensor.
+template <typename Fn>
+void with_ptr(const Tensor& t, Fn fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(t.data_ptr<float>());
+  } else if (t.scalar_type() == at::kBFloat16) {
+    fn(t.data_ptr<BF16>());
+  } else {
+    TORCH_CHECK(false, "ember kernels support float32 and bfloat16, got ", t.scalar_type());
+  }
+}
+
+void check_contiguous(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+}
+
+template <typename X, typename O>
+void norm_rows(const X* x, const float* w, O* out, int64_t rows, int64_t d, float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const X* xr = x + r * d;
+      float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t i = 0; i < d; ++i) {
+        float v = load(xr, i);
+        sum += v * v;
+      }
+      const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + eps);
+      O* o = out + r * d;
+      for (int64_t i = 0; i < d; ++i) store(o, i, load(xr, i) * inv * w[i]);
+    }
+  });
+}
+
+}  // namespace
+
+// out = x * rsqrt(mean(x^2) + eps) * w, row by row. x float32 (T, D); out float32 or bf16.
+void rmsnorm(Tensor out, Tensor x, Tensor w, double eps) {
+  check_contiguous(x, "x");
+  check_contiguous(out, "out");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "rmsnorm takes float32 x and w");
+  const int64_t d = x.size(-1);
+  const int64_t rows = x.numel() / d;
+  with_ptr(out, [&](auto* o) { norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), o, rows, d, static_cast<float>(eps)); });
+}
+
+// residual += delta (in place), then out = rmsnorm(residual). Fuses a layer's
+// residual connection with the next normalisation: one pass instead of five ops.
+void add_rmsnorm(Tensor out, Tensor residual, Tensor delta, Tensor w, double eps) {
+  check_contiguous(residual, "residual");
+  check_contiguous(delta, "delta");
+  check_contiguous(out, "out");
+  TORCH_CHECK(residual.scalar_type() == at::kFloat, "residual must be float32");
+  const int64_t d = residual.size(-1);
+  const int64_t rows = residual.numel() / d;
+  float* res = residual.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  with_ptr(delta, [&](auto* dp) {
+    with_ptr(out, [&](auto* op) {
+      at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          float* xr = res + r * d;
+          float sum = 0.f;
+          for (int64_t i = 0; i < d; ++i) {
+            float v = xr[i] + load(dp + r * d, i);
+            xr[i] = v;
+            sum += v * v;
+          }
+          const float inv = 1.f / std::sqrt(sum / static_cast<float>(d) + e);
+          for (int64_t i = 0; i < d; ++i) store(op + r * d, i, xr[i] * inv * wp[i]);
+        }
+      });
+    });
+  });
+}
+
+// Rotates q and k of each token, writes rotated k and v to the cache at the
+// token's slot, and returns q (T, H, Hd) float32. Adds the q/k/v bias first when given.
+Tensor rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor k_cache, Tensor v_cache,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, c10::optional<Tensor> bias) {
+  check_contiguous(qkv, "qkv");
+  check_contiguous(k_cache, "k_cache");
+  check_contiguous(v_cache, "v_cache");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "rope_store needs a float32 cache");
+  const int64_t tokens = qkv.size(0);
+  const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
+  TORCH_CHECK(qkv.size(1) == width, "qkv has the wrong width");
+  const int64_t half = head_dim / 2;
+  Tensor q_out = torch::empty({tokens, num_heads, head_dim}, qkv.options().dtype(at::kFloat));
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  float* qo = q_out.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t kv_width = num_kv_heads * head_dim;
+  with_ptr(qkv, [&](auto* src) {
+    at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const auto* row = src + t * width;
+        const float* c = cp + pos[t] * half;
+        const float* s = sp + pos[t] * half;
+        auto value = [&](int64_t i) { return load(row, i) + (bp ? bp[i] : 0.f); };
+        // q heads, then k heads (written straight into the cache), interleaved pairs.
+        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+          const int64_t base = h * head_dim;
+          float* dst = h < num_heads ? qo + (t * num_heads + h) * head_dim
+                                     : kc + slot[t] * kv_width + (h - num_heads) * head_dim;
+          for (int64_t j = 0; j < half; ++j) {
+            const float x0 = value(base + 2 * j), x1 = value(base + 2 * j + 1);
+            dst[2 * j] = x0 * c[j] - x1 * s[j];
+            dst[2 * j + 1] = x0 * s[j] + x1 * c[j];
+          }
+        }
+        const int64_t v_base = (num_heads + num_kv_heads) * head_dim;
+        float* vdst = vc + slot[t] * kv_width;
+        for (int64_t i = 0; i < kv_width; ++i) vdst[i] = value(v_base + i);
+      }
+    });
+  });
+  return q_out;
+}
+
+// Decode attention straight from the paged cache: one query token per sequence,
+// grouped-query heads, softmax in float32. No gather of the context, no mask.
+void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens,
+                            int64_t block_size, double scale) {
+  check_contiguous(q, "q");
+  check_contiguous(out, "out");
+  check_contiguous(block_tables, "block_tables");
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const float* kc = k_cache.data_ptr<float>();
+  const float* vc = v_cache.data_ptr<float>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  const float sc = static_cast<float>(scale);
+  const int64_t kv_width = num_kv_heads * head_dim;
+  with_ptr(out, [&](auto* op) {
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<float> acc(group * head_dim);
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+        const int64_t ctx = lens[b];
+        scores.assign(group * ctx, 0.f);
+        const float* qb = qp + (b * num_heads + kvh * group) * head_dim;
+        const int64_t* table = tables + b * max_blocks;
+        for (int64_t t = 0; t < ctx; ++t) {
+          const int64_t s = table[t / block_size] * block_size + t % block_size;
+          const float* k = kc + s * kv_width + kvh * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qg = qb + g * head_dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
+            scores[g * ctx + t] = dot * sc;
+          }
+        }
+        std::vector<float> norm(group);
+        for (int64_t g = 0; g < group; ++g) {
+          float* row = scores.data() + g * ctx;
+          float mx = row[0];
+          for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, row[t]);
+          float sum = 0.f;
+          for (int64_t t = 0; t < ctx; ++t) {
+            row[t] = std::exp(row[t] - mx);
+            sum += row[t];
+          }
+          norm[g] = 1.f / sum;
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t t = 0; t < ctx; ++t) {
+          const int64_t s = table[t / block_size] * block_size + t % block_size;
+          const float* v = vc + s * kv_width + kvh * head_dim;
+          for (int64_t g = 0; g < group; ++g) {
+            const float p = scores[g * ctx + t];
+            float* a = acc.data() + g * head_dim;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+          }
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t head = kvh * group + g;
+          for (int64_t d = 0; d < head_dim; ++d) store(op + (b * num_heads + head) * head_dim, d, acc[g * head_dim + d] * norm[g]);
+        }
+      }
+    });
+  });
+}
+
+// out = silu(gate) * up for gate_up (T, 2F) = [gate | up]; out (T, F).
+void silu_mul(Tensor out, Tensor gate_up) {
+  check_contiguous(gate_up, "gate_up");
+  check_contiguous(out, "out");
+  const int64_t tokens = gate_up.size(0), f = gate_up.size(1) / 2;
+  with_ptr(gate_up, [&](auto* gp) {
+    with_ptr(out, [&](auto* op) {
+      at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          for (int64_t i = 0; i < f; ++i) {
+            const float g = load(gp + t * 2 * f, i), u = load(gp + t * 2 * f, f + i);
+            store(op + t * f, i, g / (1.f + std::exp(-g)) * u);
+          }
+        }
+      });
+    });
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rmsnorm", &rmsnorm);
+  m.def("add_rmsnorm", &add_rmsnorm);
+  m.def("rope_store", &rope_store);
+  m.def("paged_attention_decode", &paged_attention_decode);
+  m.def("silu_mul", &silu_mul);
+}

@@ -1,0 +1,107 @@
+"""The fused CPU kernels give the plain torch path's results."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ember.kernels import cpu
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def k():
+    module = cpu.load()
+    assert module is not None, "the CPU kernels failed to build (see the log); the fast path would be missing"
+    return module
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_rmsnorm_and_fused_residual(k, out_dtype):
+    x = torch.randn(7, 576) * 3
+    w = torch.rand(576) + 0.5
+    out = torch.empty(7, 576, dtype=out_dtype)
+    k.rmsnorm(out, x, w, 1e-5)
+    torch.testing.assert_close(out.float(), F.rms_norm(x, (576,), w, 1e-5).to(out_dtype).float(), rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+    delta = torch.randn(7, 576).to(out_dtype)
+    residual = x.clone()
+    k.add_rmsnorm(out, residual, delta, w, 1e-5)
+    torch.testing.assert_close(residual, x + delta.float())
+    torch.testing.assert_close(out.float(), F.rms_norm(x + delta.float(), (576,), w, 1e-5).to(out_dtype).float(), rtol=1e-2 if out_dtype == torch.bfloat16 else 1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("qkv_dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_matches_complex_rotation(k, with_bias, qkv_dtype):
+    from ember.config import ModelConfig
+    from ember.model.llama import apply_rope, rope_frequencies
+
+    h, kv, hd, t = 4, 2, 16, 5
+    config = ModelConfig(100, 64, 128, 1, h, kv, hd, 10000.0, 1e-5, 64, True)
+    freqs = rope_frequencies(config, 64)
+    qkv = torch.randn(t, (h + 2 * kv) * hd).to(qkv_dtype)
+    bias = torch.randn((h + 2 * kv) * hd) if with_bias else None
+    positions = torch.tensor([0, 3, 17, 40, 63])
+    slots = torch.tensor([9, 2, 5, 0, 11])
+    k_cache, v_cache = torch.zeros(12, kv, hd), torch.zeros(12, kv, hd)
+    q = k.rope_store(qkv, freqs.real.contiguous(), freqs.imag.contiguous(), positions, slots, k_cache, v_cache, h, kv, hd, bias)
+
+    full = qkv.float() + (bias if bias is not None else 0)
+    rotated = apply_rope(full[:, : (h + kv) * hd].reshape(t, h + kv, hd), freqs[positions].unsqueeze(1))
+    torch.testing.assert_close(q, rotated[:, :h], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k_cache[slots], rotated[:, h:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v_cache[slots], full[:, (h + kv) * hd :].reshape(t, kv, hd))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_matches_sdpa(k, out_dtype):
+    torch.manual_seed(0)
+    h, kv, hd, bs = 9, 3, 64, 16
+    num_blocks = 40
+    k_cache, v_cache = torch.randn(num_blocks * bs, kv, hd), torch.randn(num_blocks * bs, kv, hd)
+    lens = torch.tensor([1, 17, 100, 33])
+    tables = torch.zeros(4, 8, dtype=torch.long)
+    perm = torch.randperm(num_blocks - 1) + 1
+    used = 0
+    for b, n in enumerate(lens.tolist()):
+        nb = math.ceil(n / bs)
+        tables[b, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(4, h, hd)
+    out = torch.empty(4, h * hd, dtype=out_dtype)
+    k.paged_attention_decode(out, q, k_cache, v_cache, tables, lens, bs, 0.125)
+    for b, n in enumerate(lens.tolist()):
+        slots = (tables[b].unsqueeze(-1) * bs + torch.arange(bs)).flatten()[:n]
+        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), scale=0.125, enable_gqa=True)
+        torch.testing.assert_close(out[b].float(), ref.reshape(-1).to(out_dtype).float(), rtol=2e-2 if out_dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+
+
+def test_silu_mul(k):
+    gu = torch.randn(3, 2 * 40)
+    out = torch.empty(3, 40, dtype=torch.bfloat16)
+    k.silu_mul(out, gu)
+    torch.testing.assert_close(out.float(), (F.silu(gu[:, :40]) * gu[:, 40:]).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
+
+
+def test_model_with_and_without_kernels_agree(loaded_model):
+    from helpers import greedy, prefill_forward
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+
+    config = EngineConfig(dtype="float32", quantization="none", kv_cache_bytes=64 * 1024 * 1024)
+    fused = LLMEngine(config=config, loaded=loaded_model)
+    plain = LLMEngine(config=config, loaded=loaded_model)
+    plain.model = type(plain.model)(loaded_model.config, loaded_model.weights, torch.float32, "none", torch.device("cpu"), plain.max_model_len, use_kernels=False)
+    plain.runner.model = plain.model
+    assert fused.model.kernels is not None and plain.model.kernels is None
+    ids = fused.tokenizer.encode("The fused kernels must not change the answer.")
+    torch.testing.assert_close(prefill_forward(fused, ids), prefill_forward(plain, ids), rtol=1e-4, atol=1e-3)
+    for engine in (fused, plain):
+        engine.add_request("g", ids, greedy(12, ignore_eos=True))
+    from helpers import final_tokens, run_all
+
+    assert final_tokens(run_all(fused)["g"]) == final_tokens(run_all(plain)["g"])
