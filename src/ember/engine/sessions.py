@@ -7,7 +7,8 @@ and the hashes of its full KV blocks. Tier transitions:
     turn ends ──────────────▶ HOT   blocks stay in the pool, protected from LRU
                                     eviction by one reference the session holds
     hot_ttl passes, or the  ▶ WARM  KV packed into host RAM (``warm_format``);
-    pool needs room (LRU)          the pool copy loses its protection
+    pool needs room (LRU)          its pool blocks are freed unless another
+                                   hot conversation shares them
     RAM budget exceeded     ▶ WARM  (on disk) spilled to ``session_dir``
     warm_ttl passes, or the ▶ COLD  dropped; the next turn recomputes
     disk budget exceeded
@@ -194,6 +195,12 @@ class SessionManager:
             session = self._candidate(request, start, hashes)
             if session is None:
                 return [], ""
+            tier = session.tier
+            packed = session.packed
+            if packed is None:
+                packed = self._load(session)  # may refresh the session from its file
+                if packed is None:
+                    return [], ""
             count = 0
             bs = self.kv.block_size
             while (
@@ -206,15 +213,9 @@ class SessionManager:
             end_token = (start + count) * bs
             if request.token_ids[start * bs : end_token] != session.token_ids[start * bs : end_token]:
                 return [], ""
-            count = min(count, self.kv.pool.num_free_blocks)
-            if count == 0:
+            count = min(count, self.kv.pool.num_free_blocks, packed.num_blocks - start)
+            if count <= 0:
                 return [], ""
-            tier = session.tier
-            packed = session.packed
-            if packed is None:
-                packed = self._load(session)
-                if packed is None:
-                    return [], ""
             blocks = self.kv.pool.allocate(count)
             self.kv.write_blocks([b.block_id for b in blocks], ws.unpack(ws.slice_blocks(packed, start, start + count), self.kv.kv.device))
             for i, block in enumerate(blocks):
@@ -247,6 +248,11 @@ class SessionManager:
         if blocks:
             session.packed = ws.pack(self.kv.read_blocks([b.block_id for b in blocks]), self.config.warm_format)
             self.kv.pool.release(reversed(blocks))
+            # The state moves out of the pool: blocks no one else uses become free
+            # capacity at once (a prefix shared with hot conversations stays cached).
+            for block in blocks:
+                if block.ref_count == 0 and block.block_hash is not None:
+                    self.kv.pool.drop_hash(block.block_hash)
         session.tier = WARM
         self.ram_bytes += session.ram_bytes
         self._index_session(session)
@@ -324,12 +330,19 @@ class SessionManager:
     def _load(self, session: Session) -> ws.PackedKV | None:
         assert session.path is not None
         try:
-            _, packed = ws.read_payload(session.path, self.fingerprint, session.key)
+            header, packed = ws.read_payload(session.path, self.fingerprint, session.key)
         except ws.CorruptSessionFile as exc:
             log.warning("discarding session file: %s", exc)
             self.events["discard"] += 1
             self._expire(session, "discard_expire")
             return None
+        if header.block_hashes != session.block_hashes or header.token_ids != session.token_ids:
+            # Another replica sharing session_dir rewrote the file: the file is the truth.
+            for i, h in enumerate(session.block_hashes):
+                if self._index.get(h) == (session.key, i):
+                    del self._index[h]
+            session.block_hashes, session.token_ids, session.text = header.block_hashes, header.token_ids, None
+            self._index_session(session)
         return packed
 
     def _adopt_file(self, key: str) -> Session | None:
