@@ -164,3 +164,20 @@ def test_choose_dispatches_by_policy_and_handles_missing_keys() -> None:
     assert choose("session", snaps(URLS, down=set(URLS)), session_key="x", load_epsilon=0.25, tick=0).candidates == ()
     with pytest.raises(ValueError):
         choose("random", replicas, session_key=None, load_epsilon=0.25, tick=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(10)
+def test_load_floor_keeps_sessions_home_at_light_load() -> None:
+    urls = URLS[:3]
+    key = "light-session"
+    ranked = rendezvous_order(key, urls)
+    # One request in flight on the home: the bound alone is ceil(1.25 * 2 / 3) = 1,
+    # so without a floor the second turn leaves its cache behind.
+    loads = {ranked[0]: 1}
+    assert session_decision(key, snaps(urls, loads), 0.25).candidates[0] == ranked[1]
+    assert session_decision(key, snaps(urls, loads), 0.25, floor=4).candidates[0] == ranked[0]
+    assert choose("session", snaps(urls, loads), session_key=key, load_epsilon=0.25, tick=0, load_floor=4).affinity_hit
+    # At the floor, the bound applies again: 4 + 1 > max(ceil(1.25 * 5 / 3), 4).
+    assert session_decision(key, snaps(urls, {ranked[0]: 4}), 0.25, floor=4).candidates[0] == ranked[1]
+    # Above the floor the floor changes nothing: ceil(1.25 * 28 / 3) = 12.
+    assert load_capacity([9, 9, 9], 0.25, floor=4) == load_capacity([9, 9, 9], 0.25) == 12

@@ -37,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--load-epsilon", type=float, default=d.load_epsilon,
                         help="session policy: a replica above (1 + epsilon) x mean load passes a session on "
                         f"(default {d.load_epsilon})")
+    parser.add_argument("--load-floor", type=int, default=d.load_floor, metavar="N",
+                        help="session policy: a replica with fewer than N requests in flight keeps its sessions "
+                        f"whatever the mean load (default {d.load_floor}; 1 = no floor)")
     parser.add_argument("--probe-interval", type=float, default=d.probe_interval_s, metavar="SECONDS",
                         help=f"seconds between /ready probes (default {d.probe_interval_s})")
     parser.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
@@ -64,6 +67,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         port=args.port,
         policy=args.policy,
         load_epsilon=args.load_epsilon,
+        load_floor=args.load_floor,
         probe_interval_s=args.probe_interval,
         breaker_failures=args.breaker_failures,
         breaker_open_s=args.breaker_open_seconds,

@@ -43,6 +43,10 @@ class RouterConfig:
     # Bounded load: a replica takes a new request only while its load stays within
     # (1 + load_epsilon) x the mean load. 0 = strict balance, large = pure affinity.
     load_epsilon: float = 0.25
+    # ... unless it holds fewer than load_floor requests: below that a replica keeps
+    # its sessions whatever the mean. Moving a conversation costs a prefill of its
+    # whole history; one more sequence in a continuous batch costs far less.
+    load_floor: int = 4
     # Active health checks: GET {upstream}/ready every probe_interval_s.
     probe_interval_s: float = 2.0
     probe_timeout_s: float = 1.0
@@ -77,6 +81,8 @@ class RouterConfig:
             raise RouterConfigError(f"Unknown policy {self.policy!r}; choose one of {', '.join(POLICY_NAMES)}.")
         if self.load_epsilon < 0:
             raise RouterConfigError("load_epsilon must be >= 0.")
+        if self.load_floor < 1:
+            raise RouterConfigError("load_floor must be >= 1.")
         if self.breaker_failures < 1:
             raise RouterConfigError("breaker_failures must be >= 1.")
         if self.max_attempts < 1:

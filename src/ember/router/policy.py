@@ -7,7 +7,8 @@ failover order). The same inputs always give the same decision, so the policies
 are tested exactly, without servers or randomness.
 
 ``session`` — rendezvous (highest-random-weight) hashing of the session key over
-the replica URLs, with bounded load. Rendezvous hashing moves the fewest keys
+the replica URLs, with bounded load (and a load floor below which the bound
+does not apply; see ``load_capacity``). Rendezvous hashing moves the fewest keys
 when the set changes: a joining replica takes about 1/n of the keys (only keys
 it now wins), a leaving one gives away only its own keys, each to that key's
 next-ranked replica.
@@ -82,30 +83,38 @@ def _score(prefix: bytes, url: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def load_capacity(loads: Sequence[int], epsilon: float) -> int:
+def load_capacity(loads: Sequence[int], epsilon: float, floor: int = 1) -> int:
     """The most requests one replica may hold after taking one more request.
 
-    ``ceil((1 + epsilon) * (total + 1) / n)``: the mean load including the new
-    request, stretched by ``epsilon``. Invariant: at least one replica is below
-    it (n * capacity >= total + 1 > total), so a bounded choice always exists.
+    ``max(ceil((1 + epsilon) * (total + 1) / n), floor)``: the mean load
+    including the new request, stretched by ``epsilon``, but never below
+    ``floor``. Without the floor, a light load is "unbalanced" all the time:
+    with 3 replicas and one request in flight the capacity is 1, so a second
+    turn for the same replica moves its conversation away and recomputes its
+    whole history elsewhere, to spare a replica one more sequence in its batch.
+    Invariant: at least one replica is below the capacity
+    (n * capacity >= total + 1 > total), so a bounded choice always exists.
     """
-    return math.ceil((1.0 + epsilon) * (sum(loads) + 1) / len(loads))
+    return max(math.ceil((1.0 + epsilon) * (sum(loads) + 1) / len(loads)), floor)
 
 
-def session_decision(key: str, replicas: Sequence[ReplicaSnapshot], epsilon: float) -> RouteDecision:
+def session_decision(
+    key: str, replicas: Sequence[ReplicaSnapshot], epsilon: float, floor: int = 1
+) -> RouteDecision:
     """Rendezvous hashing with bounded load for one session key.
 
     Available replicas under the load capacity come first, in rendezvous order,
     then the overloaded ones (also in rendezvous order) as a last resort for
     failover. So the key stays on its home replica until that replica is more
-    than (1 + epsilon) x the mean load, and then spills to its next-ranked one.
+    than (1 + epsilon) x the mean load and holds ``floor`` requests or more,
+    and then spills to its next-ranked one.
     """
     ranked = rendezvous_order(key, [r.url for r in replicas])
     home = ranked[0] if ranked else None
     by_url = {r.url: r for r in replicas if r.available}
     if not by_url:
         return RouteDecision(candidates=(), home=home)
-    capacity = load_capacity([r.in_flight for r in by_url.values()], epsilon)
+    capacity = load_capacity([r.in_flight for r in by_url.values()], epsilon, floor)
     under: list[str] = []
     over: list[str] = []
     for url in ranked:
@@ -151,16 +160,18 @@ def choose(
     session_key: str | None,
     load_epsilon: float,
     tick: int,
+    load_floor: int = 1,
 ) -> RouteDecision:
     """Decide where one request goes.
 
     ``tick`` is any integer that changes per request (the router's request
-    counter); it drives round-robin and the power-of-two draw. A ``session``
+    counter); it drives round-robin and the power-of-two draw. ``load_floor``
+    is the session policy's capacity floor (1: none). A ``session``
     request without a session key is routed like ``least-load``.
     """
     if policy == "session":
         if session_key is not None:
-            return session_decision(session_key, replicas, load_epsilon)
+            return session_decision(session_key, replicas, load_epsilon, load_floor)
         return least_load_decision(replicas, tick)
     if policy == "least-load":
         return least_load_decision(replicas, tick)

@@ -9,8 +9,9 @@ The path of a request (an ASGI app mounted on ``/v1/...``):
    Other answers (a 500 or a 4xx) are the final answer: a 500 may be caused by
    the request itself, and replaying it would spread the damage; the breaker
    takes a replica that keeps answering 500 out of rotation instead.
-3. Relay: send the upstream's status and headers, then every chunk as it
-   arrives (``aiter_raw``: no decoding, no re-framing). After the first byte
+3. Relay: send the upstream's status and headers (plus ``X-Ember-Upstream``,
+   the serving replica's base URL), then every chunk as it arrives
+   (``aiter_raw``: no decoding, no re-framing). After the first byte
    nothing is retried; if the upstream breaks, stalls or the deadline passes,
    an SSE stream ends with an error event and ``data: [DONE]``.
 
@@ -45,6 +46,9 @@ logger = logging.getLogger("ember.router")
 # Answers that mean "this replica cannot take it now, another may": retried
 # before the first byte. The value is the error kind for metrics.
 _RETRY_STATUS_KINDS = {429: "status_429", 502: "status_5xx", 503: "status_503", 504: "status_5xx"}
+
+# Response header naming the replica (its base URL) that served the request.
+UPSTREAM_HEADER = b"x-ember-upstream"
 
 _ROUTE_LABELS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
 _JSON_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -137,6 +141,7 @@ class Proxy:
             self._replicas.snapshots(),
             session_key=session_key,
             load_epsilon=self._config.load_epsilon,
+            load_floor=self._config.load_floor,
             tick=self._tick,
         )
 
@@ -280,6 +285,9 @@ class Proxy:
         # Event boundaries can only be found in plain (not compressed) SSE.
         is_sse = content_type.startswith("text/event-stream") and encoding == "identity"
         headers = upstream_response_headers(response.headers.raw, request_id)
+        # Which replica answered: lets clients, logs and tests see affinity and
+        # failover per request without access to the router's metrics.
+        headers.append((UPSTREAM_HEADER, opened.replica.url.encode("latin-1")))
         clock = self._clock
         tail = b""
         try:
