@@ -236,7 +236,7 @@ def load_gguf(path: str) -> LoadedModel:
         if not array.flags.writeable:  # F32 tensors are views of the read-only memory map
             array = array.copy()
         t = torch.from_numpy(array.reshape(shape))
-        name = _internal_gguf_name(tensor.name)
+        name = _internal_name(tensor.name, _GGUF_TOP_LEVEL, "blk.", _GGUF_LAYER_NAMES)
         if name is not None:
             weights[name] = t
 
@@ -247,12 +247,7 @@ def load_gguf(path: str) -> LoadedModel:
     vocab_size = weights["embed"].shape[0]
 
     if arch == "qwen2":  # stored in half-split layout; see module docstring
-        for i in range(num_layers):
-            for part, heads in (("q", num_heads), ("k", num_kv_heads)):
-                for suffix in ("", "_bias"):
-                    key = f"layers.{i}.{part}{suffix}"
-                    if key in weights:
-                        weights[key] = half_split_to_interleaved(weights[key], heads)
+        _permute_qk(weights, num_layers, num_heads, num_kv_heads)
 
     config = ModelConfig(
         vocab_size=vocab_size,
@@ -312,19 +307,30 @@ def _embedded_or_none() -> str | None:
         return None
 
 
-def _internal_gguf_name(name: str) -> str | None:
-    if name == "token_embd.weight":
-        return "embed"
-    if name == "output_norm.weight":
-        return "norm"
-    if name == "output.weight":
-        return "lm_head"
-    if name.startswith("blk."):
+def _internal_name(name: str, top_level: dict[str, str], layer_prefix: str, layer_names: dict[str, str]) -> str | None:
+    """Ember's name for a checkpoint tensor (None: a tensor Ember derives itself, like rope_freqs)."""
+    if name in top_level:
+        return top_level[name]
+    if name.startswith(layer_prefix):
         _, index, rest = name.split(".", 2)
-        short = _GGUF_LAYER_NAMES.get(rest)
+        short = layer_names.get(rest)
         if short is not None:
             return f"layers.{index}.{short}"
-    return None  # rope_freqs and other tensors Ember derives itself
+    return None
+
+
+_GGUF_TOP_LEVEL = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+_HF_TOP_LEVEL = {"embed_tokens.weight": "embed", "norm.weight": "norm", "lm_head.weight": "lm_head"}
+
+
+def _permute_qk(weights: dict[str, torch.Tensor], num_layers: int, num_heads: int, num_kv_heads: int) -> None:
+    """Bring half-split q/k rows and biases into the interleaved layout (module docstring)."""
+    for i in range(num_layers):
+        for part, heads in (("q", num_heads), ("k", num_kv_heads)):
+            for suffix in ("", "_bias"):
+                key = f"layers.{i}.{part}{suffix}"
+                if key in weights:
+                    weights[key] = half_split_to_interleaved(weights[key], heads)
 
 
 def _check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, path: str) -> None:
@@ -415,18 +421,13 @@ def load_hf_directory(path: str) -> LoadedModel:
         try:
             with safe_open(file, framework="pt") as st:
                 for key in st.keys():
-                    name = _internal_hf_name(key)
+                    name = _internal_name(key.removeprefix("model."), _HF_TOP_LEVEL, "layers.", _HF_LAYER_NAMES)
                     if name is not None:
                         weights[name] = st.get_tensor(key).to(torch.float32)
         except Exception as exc:
             raise ModelFormatError(f"{file!r} is not a readable safetensors file: {exc}") from exc
 
-    for i in range(num_layers):
-        for part, heads in (("q", num_heads), ("k", num_kv_heads)):
-            for suffix in ("", "_bias"):
-                key = f"layers.{i}.{part}{suffix}"
-                if key in weights:
-                    weights[key] = half_split_to_interleaved(weights[key], heads)
+    _permute_qk(weights, num_layers, num_heads, num_kv_heads)
 
     tied = bool(hf.get("tie_word_embeddings", False)) or "lm_head" not in weights
     if tied:
@@ -491,22 +492,6 @@ def load_hf_directory(path: str) -> LoadedModel:
         fingerprint=fingerprint,
         metadata={"format": "hf", "arch": model_type},
     )
-
-
-def _internal_hf_name(key: str) -> str | None:
-    key = key.removeprefix("model.")
-    if key == "embed_tokens.weight":
-        return "embed"
-    if key == "norm.weight":
-        return "norm"
-    if key == "lm_head.weight":
-        return "lm_head"
-    if key.startswith("layers."):
-        _, index, rest = key.split(".", 2)
-        short = _HF_LAYER_NAMES.get(rest)
-        if short is not None:
-            return f"layers.{index}.{short}"
-    return None
 
 
 def _hf_eos_ids(path: str, hf: dict[str, Any], tok_config: dict[str, Any], tokenizer_json: str) -> tuple[int, ...]:
