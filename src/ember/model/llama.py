@@ -137,6 +137,9 @@ class Attention(nn.Module):
         bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
         self.register_buffer("qkv_bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
         self.o = make_linear(w["o"], w.get("o_bias"), quantization, dtype, device)
+        # Prompt attention is a real GEMM workload: where the linears already run
+        # in bfloat16 (int8 weights on CPU), so does it, at twice the speed.
+        self.prefill_attention_dtype = self.o.input_dtype if quantization == "int8" else dtype
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -189,9 +192,10 @@ class Attention(nn.Module):
             slots, mask, causal = meta.slot_mapping[seg.start : seg.end], None, True
         else:
             slots, mask, causal = seg.context_slots, seg.mask, False
-        keys, values = k_cache[slots], v_cache[slots]  # (ctx, KV, Hd)
+        dtype = self.prefill_attention_dtype
+        keys, values = k_cache[slots].to(dtype), v_cache[slots].to(dtype)  # (ctx, KV, Hd)
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0).to(keys.dtype),  # (1, H, n, Hd)
+            q.transpose(0, 1).unsqueeze(0).to(dtype),  # (1, H, n, Hd)
             keys.transpose(0, 1).unsqueeze(0),  # (1, KV, ctx, Hd)
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
