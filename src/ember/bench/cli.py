@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 from collections.abc import Awaitable, Callable
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
+from ember.bench import scenarios
 from ember.bench.compare import write_comparison
 from ember.bench.experiments import (
     BenchContext,
@@ -37,9 +39,12 @@ from ember.bench.progress import BenchProgress
 from ember.bench.record import Clock
 from ember.bench.report import render_markdown, write_report
 from ember.bench.result import BenchResult, save_result
-from ember.bench.sender import DEFAULT_URL, BenchError, Sender, Target
+from ember.bench.router_overhead import run_router_overhead
+from ember.bench.sender import DEFAULT_URL, BenchError, Sender, Target, make_sender
+from ember.bench.transports import add_transports_arguments, transports_main
 
 RESULTS_ROOT = Path("bench-results")
+TRANSPORT_CHOICES = ("http1", "http2", "grpc")
 API_KEY_ENV_VARS = ("EMBER_API_KEY", "OPENAI_API_KEY")
 
 
@@ -109,8 +114,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
                    "Ember, except for multiturn, whose replies end naturally)")
     g.add_argument("--new-connection-per-request", action="store_true",
                    help="open a new connection (TCP, and TLS on https) for every request, to see what handshakes cost")
-    g.add_argument("--http2", action="store_true", help="speak HTTP/2 (ALPN on https, prior knowledge on http)")
+    g.add_argument("--http2", action="store_true", help="speak HTTP/2 (ALPN on https, prior knowledge on http); same as --transport http2")
+    g.add_argument("--transport", choices=TRANSPORT_CHOICES, default="http1",
+                   help="http1, http2 (ALPN on https, prior knowledge on http) or grpc (Ember's ember.v1 API; --url grpc://host:port "
+                   "or grpcs://) (default %(default)s)")
     g.add_argument("--insecure", action="store_true", help="accept a self-signed certificate on https")
+    g.add_argument("--cacert", default=None, metavar="PEM", help="trust this CA or self-signed certificate (https and grpcs)")
     g.add_argument("--timeout", type=float, default=600.0, help="client time limit per request phase, seconds (default %(default)s)")
     g.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests before measuring (default %(default)s)")
     g.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stdout")
@@ -216,6 +225,25 @@ async def _max_tokens(ctx: BenchContext, args: argparse.Namespace) -> BenchResul
                                 requests_per_point=args.requests_per_point, out_dir=args.out, with_ab=args.with_ab)
 
 
+def _router_overhead_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--direct-url", required=True, help="a replica behind the router (--url), up to /v1")
+    p.add_argument("--pairs", type=positive_int, default=30, help="single streams to each, interleaved (default %(default)s)")
+    p.add_argument("--max-tokens", type=positive_int, default=16, help="max_tokens of every request (default %(default)s)")
+    p.add_argument("--concurrency", type=positive_int, default=16, help="streams in flight in the throughput rounds (default %(default)s)")
+    p.add_argument("--requests", type=positive_int, default=32, help="requests per throughput round and path (default %(default)s)")
+    p.add_argument("--rounds", type=positive_int, default=2, help="throughput rounds per path, alternating (default %(default)s)")
+
+
+async def _router_overhead(ctx: BenchContext, args: argparse.Namespace) -> BenchResult:
+    # The replica gets exactly the client the router gets: same model, headers and options.
+    target = dataclasses.replace(ctx.sender.target, url=args.direct_url, model=ctx.sender.model)
+    async with Sender(target, ctx.clock) as direct:
+        if args.warmup > 0:
+            await direct.warmup(args.warmup)
+        return await run_router_overhead(ctx, direct, pairs=args.pairs, max_tokens=args.max_tokens,
+                                         concurrency=args.concurrency, requests=args.requests, rounds=args.rounds)
+
+
 def _compare_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("paths", nargs=2, type=Path, metavar="RESULT", help="two result directories (or their summary.json)")
     p.add_argument("--out", type=Path, default=None, help=f"where to write (default {RESULTS_ROOT}/compare-<timestamp>)")
@@ -253,13 +281,17 @@ def http_workload(name: str, run: WorkloadRun) -> Callable[[argparse.Namespace],
 
 
 async def _run_http(run: WorkloadRun, args: argparse.Namespace) -> BenchResult:
+    if args.http2 and args.transport == "grpc":
+        raise BenchError("--http2 and --transport grpc contradict each other")
+    transport = "http2" if args.http2 else args.transport
     target = Target(
-        url=args.url, model=args.model, api_key=args.api_key, http2=args.http2, insecure=args.insecure,
+        url=args.url, model=args.model, api_key=args.api_key, http2=transport == "http2", insecure=args.insecure,
         new_connection_per_request=args.new_connection_per_request, timeout_s=args.timeout, headers=tuple(args.header),
+        transport=transport, cacert=args.cacert,
     )
     clock = Clock()
     with BenchProgress(quiet=args.quiet) as progress:
-        async with Sender(target, clock) as sender:
+        async with make_sender(target, clock) as sender:
             if args.warmup > 0:
                 await sender.warmup(args.warmup)
             ctx = BenchContext(sender, clock, args.slo, args.seed, progress, args.ignore_eos)
@@ -290,6 +322,18 @@ def compare(path_a: Path, path_b: Path, out_dir: Path | None, *, quiet: bool = F
     return 0
 
 
+def _engine_args(parser: argparse.ArgumentParser) -> None:
+    from ember.bench import engine_bench  # imports torch: only when asked for
+
+    engine_bench.add_arguments(parser)
+
+
+def _engine_main(args: argparse.Namespace) -> int:
+    from ember.bench import engine_bench
+
+    return engine_bench.main(args)
+
+
 def workload(name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: WorkloadRun) -> Subcommand:
     """A ``Subcommand`` for an HTTP workload: common options, then ``run``, then every output file."""
     return Subcommand(name, help, add_arguments, http_workload(name, run))
@@ -303,7 +347,19 @@ SUBCOMMANDS: list[Subcommand] = [
     workload("multiturn", "concurrent conversations with growing history: TTFT by turn", _multiturn_args, _multiturn),
     workload("stream-vs-full", "perceived latency: streaming vs the whole reply", _stream_vs_full_args, _stream_vs_full),
     workload("max-tokens", "QPS and latency at max_tokens 50/100/200 (the design's claim, Little's law)", _max_tokens_args, _max_tokens),
+    workload("router-overhead", "TTFT and tokens/s through a router vs straight to its replica",
+             _router_overhead_args, _router_overhead),
     Subcommand("compare", "compare two result directories side by side", _compare_args, _compare_main, http=False),
+    Subcommand("transports", "HTTP/1.1 SSE vs HTTP/2 vs gRPC on local servers: TTFT, ITL, CPU and bytes per token",
+               add_transports_arguments, transports_main, http=False),
+    Subcommand("engine", "the engine alone, in process: decode, prefill and 16-sequence tokens/s vs references",
+               _engine_args, _engine_main, http=False),
+    Subcommand("tiers", "starts servers: multi-turn TTFT with hot, warm and cold session tiers",
+               scenarios.tiers_arguments, scenarios.run_tiers, http=False),
+    Subcommand("overload", "starts servers: open loop at 2x capacity, admission control on vs off",
+               scenarios.overload_arguments, scenarios.run_overload, http=False),
+    Subcommand("server-overhead", "starts a server: TTFT and tokens/s through HTTP vs the engine alone, SSE framing cost",
+               scenarios.overhead_arguments, scenarios.run_overhead, http=False),
 ]
 
 

@@ -15,6 +15,7 @@ TLS set-up times come from httpcore's ``trace`` extension, so a run with
 from __future__ import annotations
 
 import json
+import ssl
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -52,10 +53,18 @@ class Target:
     timeout_s: float = 600.0
     # Sent with every request, e.g. (("X-Request-Timeout", "60"),).
     headers: tuple[tuple[str, str], ...] = ()
+    # "http1", "http2" (the same as http2=True) or "grpc" (url: grpc://host:port, see grpc_sender.py).
+    transport: str = "http1"
+    # A CA or self-signed certificate to trust (https and grpcs).
+    cacert: str | None = None
 
     @property
     def chat_url(self) -> str:
         return self.url.rstrip("/") + "/chat/completions"
+
+    @property
+    def speaks_http2(self) -> bool:
+        return self.http2 or self.transport == "http2"
 
 
 class _ConnectionTrace:
@@ -132,8 +141,10 @@ class Sender:
         if self._transport is not None:
             return httpx.AsyncClient(headers=headers, timeout=timeout, transport=self._transport)
         # httpx speaks HTTP/2 over cleartext only with prior knowledge, i.e. with HTTP/1.1 off.
-        cleartext = httpx.AsyncHTTPTransport(http1=not target.http2, http2=target.http2, limits=limits)
-        tls = httpx.AsyncHTTPTransport(http2=target.http2, limits=limits, verify=not target.insecure)
+        http2 = target.speaks_http2
+        cleartext = httpx.AsyncHTTPTransport(http1=not http2, http2=http2, limits=limits)
+        verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=target.cacert) if target.cacert else not target.insecure
+        tls = httpx.AsyncHTTPTransport(http2=http2, limits=limits, verify=verify)
         return httpx.AsyncClient(headers=headers, timeout=timeout, transport=tls, mounts={"http://": cleartext})
 
     @property
@@ -150,7 +161,7 @@ class Sender:
         except httpx.HTTPError as exc:
             if "CERTIFICATE_VERIFY_FAILED" in str(exc):
                 raise BenchError(f"{url}: the certificate is not trusted ({exc}); pass --insecure for a self-signed one") from exc
-            hint = " and does it speak HTTP/2 (without --http2 it need not)?" if self.target.http2 else "?"
+            hint = " and does it speak HTTP/2 (without --http2 it need not)?" if self.target.speaks_http2 else "?"
             raise BenchError(f"cannot reach {url}: {exc!r}; is the server running{hint}") from exc
         if response.status_code != 200:
             raise BenchError(f"GET {url} answered {response.status_code}: {response.text[:200]}; pass --model")
@@ -265,6 +276,17 @@ class Sender:
             record.chunk_times_s = [arrived_s]
         if payload.get("usage"):
             _apply_usage(record, payload["usage"])
+
+
+def make_sender(target: Target, clock: Clock) -> Sender:
+    """The sender for ``target.transport``: ``Sender`` (httpx) or ``GrpcSender`` (same interface)."""
+    if target.transport == "grpc":
+        from ember.bench.grpc_sender import GrpcSender
+
+        return GrpcSender(target, clock)  # type: ignore[return-value]
+    if target.transport not in ("http1", "http2"):
+        raise BenchError(f"unknown transport {target.transport!r}: use http1, http2 or grpc")
+    return Sender(target, clock)
 
 
 def _apply_usage(record: RequestRecord, usage: dict[str, Any]) -> None:

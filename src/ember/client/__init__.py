@@ -9,7 +9,9 @@
         print(result.text, result.ttft_s, result.retries)
 
 ``AsyncClient`` is the asyncio twin. Both work against Ember, its router and
-any OpenAI-compatible endpoint. Errors derive from ``EmberClientError``
+any OpenAI-compatible endpoint. ``transport="http2"`` multiplexes every call
+over one HTTP/2 connection; ``transport="grpc"`` (base URL ``grpc://host:port``)
+speaks Ember's gRPC API, with the same methods, errors, retries and failover. Errors derive from ``EmberClientError``
 (see ``ember.client.errors`` for the tree).
 """
 

@@ -12,8 +12,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
-import httpx
-
 from ember.client.batch import BatchRequest, run_batch
 from ember.client.call import Call, RequestSpec, Timeouts
 from ember.client.conversation import AsyncConversation
@@ -22,6 +20,7 @@ from ember.client.failover import Endpoints
 from ember.client.results import ChatResult, WarmupResult
 from ember.client.retry import RetryPolicy
 from ember.client.streaming import AsyncChatStream, ResultCallback
+from ember.client.transport import TransportName, make_transport
 from ember import __version__ as ember_version
 from ember.config import ServerConfig
 
@@ -35,9 +34,14 @@ Messages = str | Sequence[Message]
 class AsyncClient:
     """An OpenAI-compatible chat client with retries, failover and per-phase time limits.
 
-    One instance holds one keep-alive connection pool (HTTP/1.1, or HTTP/2 with
-    ``http2=True``: ALPN on https, prior knowledge on plain http); share it, and
-    close it with ``await client.aclose()`` or ``async with``.
+    One instance holds one keep-alive connection pool; share it, and close it
+    with ``await client.aclose()`` or ``async with``. ``transport`` picks the
+    wire: ``"http1"`` (the default), ``"http2"`` (ALPN on https, prior
+    knowledge on plain http; ``http2=True`` is the same) or ``"grpc"`` (Ember's
+    ``ember.v1.Generation`` service; base URLs are ``grpc://host:port``, or
+    ``grpcs://`` for TLS with ``verify`` naming the CA or certificate file).
+    Every transport has the same methods, results, errors, retries, time
+    limits and failover.
 
     ``base_url`` (or several ``base_urls`` in order of preference) defaults to
     ``$EMBER_BASE_URL`` or the local Ember server. ``api_key`` defaults to
@@ -59,6 +63,7 @@ class AsyncClient:
         api_key: str | None = None,
         model: str | None = None,
         http2: bool = False,
+        transport: TransportName | None = None,
         retry: RetryPolicy = RetryPolicy(),
         timeouts: Timeouts = Timeouts(),
         failover_cooldown_s: float = 30.0,
@@ -74,10 +79,10 @@ class AsyncClient:
         if base_urls is None:
             base_urls = [base_url or os.environ.get("EMBER_BASE_URL") or DEFAULT_BASE_URL]
         urls = list(base_urls)
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"base URL must start with http:// or https://, got {url!r}")
-        self._endpoints = Endpoints(urls, cooldown_s=failover_cooldown_s)
+        if transport is None:
+            transport = "http2" if http2 else "http1"
+        elif http2 and transport != "http2":
+            raise ValueError(f"http2=True contradicts transport={transport!r}")
         self.model = model
         self.priority = priority
         self.retry = retry
@@ -93,20 +98,21 @@ class AsyncClient:
         }
         if api_key:
             default_headers["Authorization"] = f"Bearer {api_key}"
-        limits = httpx.Limits(
-            max_connections=max_connections,
-            # Keep every connection warmup opened: an idle pooled connection is the point.
-            max_keepalive_connections=max_connections,
-            keepalive_expiry=keepalive_expiry_s,
+        self._transport = make_transport(
+            transport, headers=default_headers, max_connections=max_connections, keepalive_expiry_s=keepalive_expiry_s, verify=verify
         )
-        # httpx only speaks HTTP/2 over cleartext with prior knowledge, i.e. with HTTP/1.1 off.
-        cleartext = httpx.AsyncHTTPTransport(http1=not http2, http2=http2, limits=limits)
-        tls = httpx.AsyncHTTPTransport(http2=http2, limits=limits, verify=verify)
-        self._http = httpx.AsyncClient(headers=default_headers, transport=tls, mounts={"http://": cleartext})
+        for url in urls:
+            self._transport.check_url(url)
+        self._endpoints = Endpoints(urls, cooldown_s=failover_cooldown_s)
 
     @property
     def base_urls(self) -> tuple[str, ...]:
         return self._endpoints.base_urls
+
+    @property
+    def transport(self) -> str:
+        """The wire this client speaks: "http1", "http2" or "grpc"."""
+        return self._transport.name
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -118,7 +124,7 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close every pooled connection."""
-        await self._http.aclose()
+        await self._transport.aclose()
 
     async def chat(self, messages: Messages, **params: Any) -> ChatResult:
         """Send a chat and return the whole answer.
@@ -204,7 +210,7 @@ class AsyncClient:
         if self.include_usage and "stream_options" not in params:
             json_body["stream_options"] = {"include_usage": True}
         spec = RequestSpec("POST", path, json_body, headers, request_id)
-        return Call(self._http, self._endpoints, spec, retry=retry, timeouts=timeouts)
+        return Call(self._transport, self._endpoints, spec, retry=retry, timeouts=timeouts)
 
     async def _warm(self, url: str, connections: int, probe: Literal["models", "chat"]) -> WarmupResult:
         started_at = time.monotonic()
@@ -217,7 +223,7 @@ class AsyncClient:
             spec = RequestSpec("POST", "/chat/completions", body, {}, uuid.uuid4().hex)
         # A private Endpoints pins each probe to its URL; failures are reported to the shared one below.
         pinned = Endpoints([url])
-        calls = [Call(self._http, pinned, spec, retry=self.retry, timeouts=self.timeouts) for _ in range(connections)]
+        calls = [Call(self._transport, pinned, spec, retry=self.retry, timeouts=self.timeouts) for _ in range(connections)]
         http_versions = await asyncio.gather(*(_send_probe(call) for call in calls), return_exceptions=True)
         error = next((e for e in http_versions if isinstance(e, BaseException)), None)
         if isinstance(error, EmberClientError) and calls[0].is_failover_error(error):
@@ -229,9 +235,10 @@ class AsyncClient:
 
 
 async def _send_probe(call: Call) -> str:
-    async with call.attempt() as response:
-        await response.aread()
-        return response.http_version
+    async with call.attempt() as reply:
+        async for _ in call.chunks(reply):
+            pass
+        return reply.http_version
 
 
 def _as_messages(messages: Messages) -> list[dict[str, Any]]:

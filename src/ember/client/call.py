@@ -4,22 +4,20 @@ A ``Call`` sends attempts (``attempt()``), reads a response as stream chunks
 (``chunks()``) and decides whether and when another attempt may follow
 (``retry_delay()``). The caller owns the loop around them, because only the
 caller knows whether text has already been handed to the user (after which no
-retry may happen).
+retry may happen). The wire itself (HTTP/1.1, HTTP/2 or gRPC) is the
+``Transport``'s business (transport.py); everything here is the same for all.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
-
-import httpx
 
 from ember.client.errors import (
     APIConnectionError,
@@ -30,20 +28,14 @@ from ember.client.errors import (
     EmberClientError,
     FirstTokenTimeout,
     StallTimeout,
-    StreamError,
     error_message,
-    parse_error_body,
     status_error_class,
 )
 from ember.client.failover import Endpoints
-from ember.client.results import body_as_chunk, chunk_finish_reason
 from ember.client.retry import RetryPolicy, backoff_delay, parse_retry_after, parse_should_retry, status_is_retryable
-from ember.client.sse import SSEDecoder
+from ember.client.transport import Reply, Transport
 
 T = TypeVar("T")
-
-# How long to wait for the end of a body after its [DONE] before giving up on reusing the connection.
-DRAIN_TIMEOUT_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,7 +82,7 @@ class Call:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        transport: Transport,
         endpoints: Endpoints,
         spec: RequestSpec,
         *,
@@ -100,7 +92,7 @@ class Call:
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         rand: Callable[[], float] = random.random,
     ) -> None:
-        self.http = http
+        self.transport = transport
         self.endpoints = endpoints
         self.spec = spec
         self.retry = retry
@@ -111,7 +103,7 @@ class Call:
         self._start()
         self.attempts = 0
         self.base_url = endpoints.base_urls[0]
-        self.response: httpx.Response | None = None
+        self.reply: Reply | None = None
         self._attempt_started_at = self.started_at
         self._first_token_seen = False
 
@@ -123,8 +115,8 @@ class Call:
     @property
     def request_id(self) -> str:
         """The server's ``X-Request-ID`` once it answered, else the one sent."""
-        if self.response is not None:
-            return self.response.headers.get("x-request-id") or self.spec.request_id
+        if self.reply is not None:
+            return self.reply.header("x-request-id") or self.spec.request_id
         return self.spec.request_id
 
     def mark_first_token(self) -> None:
@@ -132,8 +124,8 @@ class Call:
         self._first_token_seen = True
 
     @asynccontextmanager
-    async def attempt(self) -> AsyncIterator[httpx.Response]:
-        """Send one attempt; yields a 2xx response with its body unread, closes it afterwards.
+    async def attempt(self) -> AsyncIterator[Reply]:
+        """Send one attempt; yields the accepted reply with its body unread, closes it afterwards.
 
         Raises an ``APIStatusError`` subclass for an error status and the matching
         ``EmberClientError`` for transport failures and timeouts.
@@ -144,51 +136,19 @@ class Call:
         self._first_token_seen = False
         self._attempt_started_at = self.clock()
         self.base_url = url = self.endpoints.pick()
-        self.response = None
-        request = self.http.build_request(
-            self.spec.method,
-            url + self.spec.path,
-            json=self.spec.body,
-            headers=self._attempt_headers(),
-            # Only the connect limit is httpx's job; reads are bounded by _within_budget.
-            timeout=httpx.Timeout(connect=self.timeouts.connect_s, read=None, write=None, pool=None),
-        )
-        response = await self._within_budget(self.http.send(request, stream=True))
-        try:
-            if not response.is_success:
-                raise await self._status_error(response)
+        self.reply = None
+        async with self.transport.send(self, url, self._attempt_headers()) as reply:
             self.endpoints.mark_ok(url)
-            self.response = response
-            yield response
-        finally:
-            await response.aclose()
+            self.reply = reply
+            yield reply
 
-    async def chunks(self, response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
-        """The JSON chunks of a response until ``data: [DONE]``.
+    def chunks(self, reply: Reply) -> AsyncIterator[dict[str, Any]]:
+        """The reply's OpenAI chunk dicts until the end of the answer.
 
-        A plain JSON body (a server that ignored ``stream: true``) becomes one
-        chunk. Raises ``StreamError`` for an error chunk and ``APIConnectionError``
-        when the stream ends before it was complete.
+        Raises ``StreamError`` for an error the server reported mid-stream and
+        ``APIConnectionError`` when the stream ended before it was complete.
         """
-        if "text/event-stream" not in response.headers.get("content-type", ""):
-            content = await self._within_budget(response.aread())
-            yield body_as_chunk(self._parse_json(content.decode("utf-8", errors="replace")))
-            return
-        decoder = SSEDecoder()
-        byte_iterator = response.aiter_bytes()
-        finished = False
-        while (data := await self._within_budget(_next_or_none(byte_iterator))) is not None:
-            for event in decoder.feed(data):
-                if event.data == "[DONE]":
-                    await _drain(byte_iterator)
-                    return
-                chunk = self._parse_json(event.data)
-                if "error" in chunk:
-                    raise self._error(StreamError, error_message(chunk, "error in stream"), body=chunk)
-                finished = finished or chunk_finish_reason(chunk) is not None
-                yield chunk
-        if not finished:  # a clean close is fine once a finish_reason arrived, even without [DONE]
-            raise self._error(APIConnectionError, "the stream ended before it was complete (no data: [DONE])")
+        return self.transport.chunks(self, reply)
 
     def retry_delay(self, error: EmberClientError) -> float | None:
         """Seconds to wait before the next attempt, or None when the call must fail with ``error``.
@@ -249,71 +209,36 @@ class Call:
             return self.deadline_at - now, DeadlineExceeded, f"the deadline of {self.timeouts.total_s} s ran out"
         return budget_s, kind, message
 
-    async def _within_budget(self, awaitable: Awaitable[T]) -> T:
-        """Await one step of an attempt under the current time limit, translating failures."""
+    async def within_budget(self, awaitable: Awaitable[T]) -> T:
+        """Await one step of an attempt under the current time limit, translating the transport's failures."""
         budget_s, timeout_kind, timeout_message = self._budget()
         try:
             return await asyncio.wait_for(awaitable, timeout=None if budget_s == math.inf else max(budget_s, 0.0))
         except asyncio.TimeoutError:
-            raise self._error(timeout_kind, timeout_message) from None
-        except httpx.ConnectTimeout as exc:
-            self.endpoints.mark_failed(self.base_url)
-            raise self._error(ConnectTimeout, f"connecting to {self.base_url} timed out") from exc
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
-            self.endpoints.mark_failed(self.base_url)
-            raise self._error(APIConnectionError, f"connection to {self.base_url} failed: {exc!r}") from exc
-        except httpx.HTTPError as exc:  # local protocol errors, decoding errors: retrying cannot help
-            raise self._error(EmberClientError, f"request failed: {exc!r}") from exc
+            raise self.error(timeout_kind, timeout_message) from None
+        except Exception as exc:
+            translated = self.transport.translate(self, exc)
+            if translated is None:
+                raise
+            raise translated from exc
 
-    async def _status_error(self, response: httpx.Response) -> APIStatusError:
-        content = await self._within_budget(response.aread())
-        body = parse_error_body(content)
-        if response.status_code in self.endpoints.failover_statuses:
+    def status_error(self, status_code: int, body: Any, headers: Mapping[str, str]) -> APIStatusError:
+        """The error for an error status (gRPC statuses arrive as their HTTP equivalent); starts failover on 503."""
+        if status_code in self.endpoints.failover_statuses:
             self.endpoints.mark_failed(self.base_url)
-        error_class = status_error_class(response.status_code)
+        error_class = status_error_class(status_code)
         return error_class(
-            error_message(body, f"HTTP {response.status_code}"),
-            status_code=response.status_code,
+            error_message(body, f"HTTP {status_code}"),
+            status_code=status_code,
             body=body,
-            request_id=response.headers.get("x-request-id") or self.spec.request_id,
+            request_id=headers.get("x-request-id") or self.spec.request_id,
             attempts=self.attempts,
             base_url=self.base_url,
-            retry_after_s=parse_retry_after(response.headers),
-            should_retry=parse_should_retry(response.headers),
+            retry_after_s=parse_retry_after(headers),
+            should_retry=parse_should_retry(headers),
         )
 
-    def _parse_json(self, text: str) -> dict[str, Any]:
-        try:
-            value = json.loads(text)
-        except ValueError:
-            value = None
-        if not isinstance(value, dict):
-            raise self._error(StreamError, f"the server sent a malformed chunk: {text[:200]!r}")
-        return value
-
-    def _error(self, kind: type[EmberClientError], message: str, **fields: Any) -> EmberClientError:
+    def error(self, kind: type[EmberClientError], message: str, **fields: Any) -> EmberClientError:
+        """An error of ``kind`` carrying this call's request id, attempt count and base URL."""
         return kind(message, request_id=self.request_id, attempts=self.attempts, base_url=self.base_url, **fields)
 
-
-async def _drain(byte_iterator: AsyncIterator[bytes]) -> None:
-    """Read what follows ``[DONE]`` (normally only the end of the body) so the connection returns to the pool.
-
-    httpx drops a connection whose response was closed unread; on HTTP/1.1 that
-    would cost every streamed call a new TCP handshake.
-    """
-    try:
-        await asyncio.wait_for(_read_to_end(byte_iterator), timeout=DRAIN_TIMEOUT_S)
-    except (asyncio.TimeoutError, httpx.HTTPError):
-        pass  # the answer is complete; only this connection's reuse is lost
-
-
-async def _read_to_end(byte_iterator: AsyncIterator[bytes]) -> None:
-    async for _ in byte_iterator:
-        pass
-
-
-async def _next_or_none(iterator: AsyncIterator[bytes]) -> bytes | None:
-    try:
-        return await iterator.__anext__()
-    except StopAsyncIteration:
-        return None

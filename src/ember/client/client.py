@@ -20,10 +20,12 @@ from ember.client.loop_thread import LoopThread
 from ember.client.results import ChatResult, WarmupResult
 from ember.client.retry import RetryPolicy
 from ember.client.streaming import ChatStream, ResultCallback
+from ember.client.transport import TransportName
 
 
 class Client:
-    """The blocking OpenAI-compatible client; same options and behaviour as ``AsyncClient``.
+    """The blocking OpenAI-compatible client; same options and behaviour as ``AsyncClient``
+    (including ``transport="http1" | "http2" | "grpc"``).
 
     ::
 
@@ -44,6 +46,7 @@ class Client:
         api_key: str | None = None,
         model: str | None = None,
         http2: bool = False,
+        transport: TransportName | None = None,
         retry: RetryPolicy = RetryPolicy(),
         timeouts: Timeouts = Timeouts(),
         failover_cooldown_s: float = 30.0,
@@ -55,7 +58,7 @@ class Client:
         verify: ssl.SSLContext | str | bool = True,
     ) -> None:
         options = dict(
-            base_urls=base_urls, api_key=api_key, model=model, http2=http2, retry=retry, timeouts=timeouts,
+            base_urls=base_urls, api_key=api_key, model=model, http2=http2, transport=transport, retry=retry, timeouts=timeouts,
             failover_cooldown_s=failover_cooldown_s, max_connections=max_connections,
             keepalive_expiry_s=keepalive_expiry_s, headers=headers, priority=priority,
             include_usage=include_usage, verify=verify,
@@ -70,6 +73,11 @@ class Client:
     @property
     def base_urls(self) -> tuple[str, ...]:
         return self._async.base_urls
+
+    @property
+    def transport(self) -> str:
+        """The wire this client speaks: "http1", "http2" or "grpc"."""
+        return self._async.transport
 
     def __enter__(self) -> Client:
         return self

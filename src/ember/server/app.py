@@ -28,6 +28,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        grpc_server = None
+        if state.config.grpc_port is not None:
+            # Same loop and state as HTTP; started before the model loads so health says NOT_SERVING meanwhile.
+            from ember.grpc.server import GrpcServer
+
+            grpc_server = GrpcServer(state)
+            await grpc_server.start()
         loading = asyncio.create_task(state.load())
         watching = asyncio.create_task(state.watch_latency())
         app.state.loading_task = loading
@@ -36,6 +43,8 @@ def create_app(state: ServerState) -> FastAPI:
         finally:
             loading.cancel()
             watching.cancel()
+            if grpc_server is not None:
+                await grpc_server.stop()
             await state.shutdown()
 
     app = FastAPI(title="Ember", version="0.1.0", description="OpenAI-compatible, low-latency chat serving.", lifespan=lifespan)

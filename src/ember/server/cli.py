@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--warmup-requests", type=int, default=_S.warmup_requests, help="generations run before /ready turns 200")
     s.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
     s.add_argument("--ssl-keyfile", default=None, help="private key for --ssl-certfile")
+    s.add_argument("--http2", action="store_true", help="serve HTTP/2 next to HTTP/1.1 (h2c prior knowledge; ALPN with --ssl-certfile) with granian instead of uvicorn")
+    s.add_argument("--grpc-port", type=int, default=_S.grpc_port, help="also serve the gRPC API (ember.v1.Generation, health, reflection) on this port; TLS with --ssl-certfile")
     s.add_argument("--trace-memory", action="store_true", help="log each request's peak Python allocation (tracemalloc)")
     s.add_argument("--log-level", default=_S.log_level, choices=["debug", "info", "warning", "error"])
     a = p.add_argument_group("admission control and latency objective")
@@ -96,6 +98,8 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         warmup_requests=args.warmup_requests,
         ssl_certfile=args.ssl_certfile,
         ssl_keyfile=args.ssl_keyfile,
+        http2=args.http2,
+        grpc_port=args.grpc_port,
         trace_memory=args.trace_memory,
         log_level=args.log_level,
         max_running=args.max_running,

@@ -2,12 +2,15 @@
 
 Routes call ``prepare_*`` (which raises ``APIError`` for any client mistake,
 before a byte of the reply is sent) and then iterate ``run``. The same code
-serves chat and completions, streaming or not.
+serves chat and completions, streaming or not, over HTTP or gRPC: what it
+needs from the request besides the body is a ``Caller`` (headers or metadata,
+the request id, the API key's namespace), not a Starlette request.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -20,6 +23,28 @@ from ember.errors import ContextLengthExceededError, EmberError
 from ember.server.errors import APIError, bad_request, from_engine_error, unavailable
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, _GenerationFields, parse_priority
 from ember.server.state import ServerState
+
+
+@dataclass
+class Caller:
+    """What generation needs to know about a request besides its body, whatever the wire.
+
+    ``headers`` are lower-case names (HTTP headers or gRPC metadata):
+    ``x-request-timeout``, ``x-session-id`` and ``x-priority`` are read.
+    ``on_done`` callbacks run once when the exchange ends, however it ends
+    (e.g. giving the admission slot back); whoever made the Caller runs them.
+    """
+
+    request_id: str
+    headers: Mapping[str, str]
+    key_namespace: str | None = None
+    on_done: list[Callable[[], None]] = field(default_factory=list)
+
+    @classmethod
+    def from_http(cls, http: HTTPRequest) -> Caller:
+        """The Caller of an HTTP request; ``on_done`` is the list the middleware runs."""
+        scope_state = http.scope["state"]
+        return cls(scope_state["request_id"], http.headers, scope_state.get("api_key_namespace"), scope_state.setdefault("on_done", []))
 
 
 @dataclass
@@ -41,10 +66,10 @@ class PreparedRequest:
     record: dict[str, Any] = field(default_factory=dict)
 
 
-def _timeout_s(body: _GenerationFields, http: HTTPRequest, default_s: float) -> float:
+def _timeout_s(body: _GenerationFields, caller: Caller, default_s: float) -> float:
     if body.timeout is not None:
         return body.timeout
-    header = http.headers.get("x-request-timeout")
+    header = caller.headers.get("x-request-timeout")
     if header is None:
         return default_s
     try:
@@ -56,14 +81,14 @@ def _timeout_s(body: _GenerationFields, http: HTTPRequest, default_s: float) -> 
     return value
 
 
-def _session_id(body: _GenerationFields, http: HTTPRequest, state: ServerState) -> str | None:
-    session = http.headers.get("x-session-id") or body.session_id or body.user
+def _session_id(body: _GenerationFields, caller: Caller, state: ServerState) -> str | None:
+    session = caller.headers.get("x-session-id") or body.session_id or body.user
     if session is None:
         return None
     if len(session) > 256:
         raise bad_request("Session ids are limited to 256 characters.", "session_id")
     # With API keys, ids are namespaced per key so one tenant never sees another's.
-    key_ns = http.scope.get("state", {}).get("api_key_namespace")
+    key_ns = caller.key_namespace
     return f"{key_ns}:{session}" if key_ns else session
 
 
@@ -99,18 +124,18 @@ def _sampling(body: _GenerationFields, max_tokens: int, logprobs: int | None) ->
     )
 
 
-async def admit(state: ServerState, http: HTTPRequest, prepared: PreparedRequest) -> None:
-    """Wait for admission; the slot is given back when the HTTP exchange ends (middleware)."""
-    key = http.scope["state"].get("api_key_namespace")
+async def admit(state: ServerState, caller: Caller, prepared: PreparedRequest) -> None:
+    """Wait for admission; the slot is given back when the exchange ends (``caller.on_done``)."""
+    key = caller.key_namespace
     remaining = prepared.deadline - state.engine.engine.clock() if state.engine is not None else prepared.timeout_s
     await state.admission.admit(prepared.priority, len(prepared.prompt_ids), remaining, key)
-    http.scope["state"].setdefault("on_done", []).append(lambda: state.admission.release(key))
+    caller.on_done.append(lambda: state.admission.release(key))
 
 
-def _precheck(state: ServerState, http: HTTPRequest, body: _GenerationFields) -> None:
+def _precheck(state: ServerState, caller: Caller, body: _GenerationFields) -> None:
     """Refuse cheaply (full queue, shed priority) before tokenizing anything."""
-    priority = parse_priority(body.priority, http.headers.get("x-priority"))
-    state.admission.precheck(priority, http.scope["state"].get("api_key_namespace"))
+    priority = parse_priority(body.priority, caller.headers.get("x-priority"))
+    state.admission.precheck(priority, caller.key_namespace)
 
 
 def _check_common(state: ServerState, body: _GenerationFields) -> None:
@@ -129,7 +154,7 @@ def engine_or_503(state: ServerState):
     return state.engine
 
 
-def _finish_prepare(state: ServerState, http: HTTPRequest, body: _GenerationFields, prompt: list[int], requested: int | None, logprobs: int | None) -> PreparedRequest:
+def _finish_prepare(state: ServerState, caller: Caller, body: _GenerationFields, prompt: list[int], requested: int | None, logprobs: int | None) -> PreparedRequest:
     engine = engine_or_503(state)
     core = engine.engine
     try:
@@ -141,16 +166,15 @@ def _finish_prepare(state: ServerState, http: HTTPRequest, body: _GenerationFiel
         if mapped is None:
             raise
         raise mapped from None
-    timeout_s = _timeout_s(body, http, state.config.request_timeout_s)
-    request_id = http.scope["state"]["request_id"]
+    timeout_s = _timeout_s(body, caller, state.config.request_timeout_s)
     return PreparedRequest(
-        request_id=request_id,
+        request_id=caller.request_id,
         prompt_ids=prompt,
         params=params,
-        priority=parse_priority(body.priority, http.headers.get("x-priority")),
+        priority=parse_priority(body.priority, caller.headers.get("x-priority")),
         deadline=core.clock() + timeout_s,
         timeout_s=timeout_s,
-        session_id=_session_id(body, http, state),
+        session_id=_session_id(body, caller, state),
         max_tokens=max_tokens,
         max_tokens_clamped=clamped,
         stream=body.stream,
@@ -158,10 +182,10 @@ def _finish_prepare(state: ServerState, http: HTTPRequest, body: _GenerationFiel
     )
 
 
-def prepare_chat(state: ServerState, http: HTTPRequest, body: ChatCompletionRequest) -> PreparedRequest:
+def prepare_chat(state: ServerState, caller: Caller, body: ChatCompletionRequest) -> PreparedRequest:
     _check_common(state, body)
     engine_or_503(state)
-    _precheck(state, http, body)
+    _precheck(state, caller, body)
     if len(body.messages) > state.config.max_messages:
         raise bad_request(f"Too many messages ({len(body.messages)}); the limit is {state.config.max_messages}.", "messages")
     if body.top_logprobs is not None and not body.logprobs:
@@ -175,7 +199,7 @@ def prepare_chat(state: ServerState, http: HTTPRequest, body: ChatCompletionRequ
         raise bad_request(str(exc), "messages") from None
     prompt = None
     sessions = engine.engine.sessions
-    session_id = _session_id(body, http, state)
+    session_id = _session_id(body, caller, state)
     if sessions is not None and session_id is not None:
         # Keep the ids the model generated last turn, so the cached blocks match.
         prompt = sessions.prompt_ids(session_id, rendered, lambda text: tokenizer.encode(text, add_bos=False))
@@ -183,13 +207,13 @@ def prepare_chat(state: ServerState, http: HTTPRequest, body: ChatCompletionRequ
         prompt = tokenizer.encode_rendered(rendered)
     requested = body.max_completion_tokens or body.max_tokens
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    return _finish_prepare(state, http, body, prompt, requested, logprobs)
+    return _finish_prepare(state, caller, body, prompt, requested, logprobs)
 
 
-def prepare_completion(state: ServerState, http: HTTPRequest, body: CompletionRequest) -> PreparedRequest:
+def prepare_completion(state: ServerState, caller: Caller, body: CompletionRequest) -> PreparedRequest:
     _check_common(state, body)
     engine_or_503(state)
-    _precheck(state, http, body)
+    _precheck(state, caller, body)
     engine = engine_or_503(state)
     prompt_field: Any = body.prompt
     if isinstance(prompt_field, list) and prompt_field and isinstance(prompt_field[0], (str, list)):
@@ -202,7 +226,7 @@ def prepare_completion(state: ServerState, http: HTTPRequest, body: CompletionRe
         prompt = [int(t) for t in prompt_field]
     if not prompt:
         raise bad_request("The prompt is empty.", "prompt")
-    return _finish_prepare(state, http, body, prompt, body.max_tokens, body.logprobs)
+    return _finish_prepare(state, caller, body, prompt, body.max_tokens, body.logprobs)
 
 
 async def run(state: ServerState, prepared: PreparedRequest) -> AsyncIterator[RequestOutput]:

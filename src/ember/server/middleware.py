@@ -14,6 +14,7 @@ import logging
 import time
 import tracemalloc
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -103,15 +104,11 @@ class RequestPipeline:
             self._log(scope, request_id, status_holder[0], started, record)
 
     def _authenticate(self, path: str, headers: dict[str, str], scope: Scope) -> None:
-        if self._api_key is None or path in PUBLIC_PATHS:
+        if path in PUBLIC_PATHS:
             return
-        given = headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
-        # Constant-time compare: response time must not reveal how much of a key matched.
-        if not hmac.compare_digest(token.encode(), self._api_key):
-            raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.", "authentication_error", None, "invalid_api_key")
-        # Session ids are namespaced by key; a digest, never the key itself.
-        scope["state"]["api_key_namespace"] = hmac.new(b"ember-session", token.encode(), "sha256").hexdigest()[:16]
+        namespace = authenticate(self._api_key, headers)
+        if namespace is not None:
+            scope["state"]["api_key_namespace"] = namespace
 
     def _limited(self, receive: Receive) -> Receive:
         remaining = [self._max_body]
@@ -127,20 +124,42 @@ class RequestPipeline:
         return limited_receive
 
     def _log(self, scope: Scope, request_id: str, status: int, started: float, record: dict[str, Any]) -> None:
-        if not access_log.isEnabledFor(logging.INFO):
-            return
-        line = {
-            "request_id": request_id,
-            "method": scope.get("method"),
-            "path": scope.get("path"),
-            "status": status,
-            "total_s": round(time.perf_counter() - started, 6),
-        }
-        for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "queue_s", "ttft_s", "finish_reason", "max_tokens", "peak_python_bytes", "error"):
-            if key in record:
-                value = record[key]
-                line[key] = round(value, 6) if isinstance(value, float) else value
-        access_log.info(json.dumps(line))
+        log_access(scope.get("method"), scope.get("path"), request_id, status, started, record)
+
+
+def authenticate(api_key: bytes | None, headers: Mapping[str, str]) -> str | None:
+    """Check the request's key (``Authorization: Bearer`` or ``X-API-Key``); return its session namespace.
+
+    Returns None when the server has no key. Raises a 401 ``APIError`` for a
+    missing or wrong key. Shared by HTTP and gRPC (where headers are metadata).
+    """
+    if api_key is None:
+        return None
+    given = headers.get("authorization", "")
+    token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
+    # Constant-time compare: response time must not reveal how much of a key matched.
+    if not hmac.compare_digest(token.encode(), api_key):
+        raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.", "authentication_error", None, "invalid_api_key")
+    # Session ids are namespaced by key; a digest, never the key itself.
+    return hmac.new(b"ember-session", token.encode(), "sha256").hexdigest()[:16]
+
+
+def log_access(method: str | None, path: str | None, request_id: str, status: int, started: float, record: dict[str, Any]) -> None:
+    """Write one structured access line (``started`` is a ``time.perf_counter`` reading)."""
+    if not access_log.isEnabledFor(logging.INFO):
+        return
+    line = {
+        "request_id": request_id,
+        "method": method,
+        "path": path,
+        "status": status,
+        "total_s": round(time.perf_counter() - started, 6),
+    }
+    for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "queue_s", "ttft_s", "finish_reason", "max_tokens", "peak_python_bytes", "error"):
+        if key in record:
+            value = record[key]
+            line[key] = round(value, 6) if isinstance(value, float) else value
+    access_log.info(json.dumps(line))
 
 
 def _headers(scope: Scope) -> dict[str, str]:

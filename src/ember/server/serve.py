@@ -1,4 +1,4 @@
-"""Run the server under uvicorn, with a graceful drain on SIGTERM.
+"""Run the server under uvicorn (or granian with ``--http2``), with a graceful drain on SIGTERM.
 
 uvicorn's own shutdown closes the listening socket at once, so a client that
 connects during shutdown gets "connection refused" and cannot tell a drain from
@@ -53,17 +53,25 @@ class DrainingServer(uvicorn.Server):
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
-        deadline = time.monotonic() + self.ember.config.drain_timeout_s
-        while self.ember.in_flight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        engine = self.ember.engine
-        if self.ember.in_flight > 0 and engine is not None:
-            log.warning("drain timeout: aborting %d request(s)", len(engine.engine.requests))
-            for request_id in list(engine.engine.requests):
-                engine.abort(request_id)
-            await asyncio.sleep(0.2)
-        log.info("drained; shutting down")
+        await drain(self.ember)
         self.should_exit = True
+
+
+async def drain(state: ServerState) -> None:
+    """Wait for in-flight requests (HTTP and gRPC) up to the drain timeout, then abort what is left.
+
+    The caller has set ``state.draining`` already, so new requests get 503 (UNAVAILABLE).
+    """
+    deadline = time.monotonic() + state.config.drain_timeout_s
+    while state.in_flight > 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    engine = state.engine
+    if state.in_flight > 0 and engine is not None:
+        log.warning("drain timeout: aborting %d request(s)", len(engine.engine.requests))
+        for request_id in list(engine.engine.requests):
+            engine.abort(request_id)
+        await asyncio.sleep(0.2)
+    log.info("drained; shutting down")
 
 
 def build_state(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | None = None) -> ServerState:
@@ -80,6 +88,10 @@ def serve(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | 
     logging.basicConfig(level=server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     state = build_state(server, engine, sessions)
     app = create_app(state)
+    if server.http2:
+        from ember.server.serve_http2 import serve_http2
+
+        return serve_http2(app, state)
     config = uvicorn.Config(
         app,
         host=server.host,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ember.server.generation import admit, prepare_chat
+from ember.server.generation import Caller, admit, prepare_chat
 from ember.server.protocol import ChatCompletionRequest
 from ember.server.responses import ChatFormat, full_reply, streaming_reply
 
@@ -15,9 +15,10 @@ router = APIRouter()
 @router.post("/v1/chat/completions", summary="Create a chat completion (OpenAI-compatible)")
 async def create_chat_completion(body: ChatCompletionRequest, http: Request) -> Response:
     state = http.app.state.ember
-    prepared = prepare_chat(state, http, body)
+    caller = Caller.from_http(http)
+    prepared = prepare_chat(state, caller, body)
     prepared.record = http.scope["state"]["record"]
-    await admit(state, http, prepared)
+    await admit(state, caller, prepared)
     fmt = ChatFormat(state, prepared)
     if prepared.stream:
         return streaming_reply(state, http, prepared, fmt)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from ember.server.generation import admit, prepare_completion
+from ember.server.generation import Caller, admit, prepare_completion
 from ember.server.protocol import CompletionRequest
 from ember.server.responses import CompletionFormat, full_reply, streaming_reply
 
@@ -15,9 +15,10 @@ router = APIRouter()
 @router.post("/v1/completions", summary="Create a text completion (OpenAI-compatible)")
 async def create_completion(body: CompletionRequest, http: Request) -> Response:
     state = http.app.state.ember
-    prepared = prepare_completion(state, http, body)
+    caller = Caller.from_http(http)
+    prepared = prepare_completion(state, caller, body)
     prepared.record = http.scope["state"]["record"]
-    await admit(state, http, prepared)
+    await admit(state, caller, prepared)
     fmt = CompletionFormat(state, prepared)
     if prepared.stream:
         return streaming_reply(state, http, prepared, fmt)

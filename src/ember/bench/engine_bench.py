@@ -1,0 +1,234 @@
+"""``ember bench engine``: the engine alone, in process, next to references measured in the same run.
+
+Figures (issue "Inference engine"):
+
+* single-stream decode tokens/s: one request, 200 tokens, decode phase only
+  (first token excluded: that is prefill);
+* prefill tokens/s: a 1,000-token prompt of unique tokens, max_tokens 1;
+* aggregate decode tokens/s with 16 concurrent sequences (128 tokens each),
+  measured over the steps where all 16 decode;
+* the step loop's own overhead: wall time of ``step()`` minus the model's
+  forward and sampling, per step.
+
+The same run measures transformers' ``generate`` (float32) on the same GGUF as a
+live reference, and llama.cpp through ``llama_cpp`` when that package is
+installed. The figures the issue quotes for vLLM and llama.cpp on this machine
+are printed as quoted, labelled as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Quoted by the engine issue, measured on this machine with 2 threads.
+QUOTED_REFERENCES = {
+    "llama.cpp 0.3.36 Q4_1 in-process": {"decode_tps": 147.0, "prefill_tps": 360.0},
+    "llama.cpp server": {"decode_tps": 84.0},
+    "vLLM CPU 0.32.0 bf16": {"decode_tps": 53.0, "prefill_tps": 2065.0, "aggregate_tps": 400.0},
+    "transformers generate fp32": {"decode_tps": 24.0},
+}
+TARGETS = {"decode_tps": 150.0, "prefill_tps": 2100.0, "aggregate_tps": 600.0}
+
+
+@dataclass
+class EngineFigures:
+    mode: str
+    decode_tps: float = 0.0
+    prefill_tps: float = 0.0
+    aggregate_tps: float = 0.0
+    step_overhead_ms: float = 0.0
+    load_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="model path (default: the embedded model)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument("--modes", default="float32:int8", help="comma-separated dtype:quantization pairs to measure")
+    parser.add_argument("--decode-tokens", type=int, default=200)
+    parser.add_argument("--prefill-tokens", type=int, default=1000)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--aggregate-tokens", type=int, default=128)
+    parser.add_argument("--chunk", type=int, default=0, help="max_num_batched_tokens (0: the engine default)")
+    parser.add_argument("--no-reference", action="store_true", help="skip the transformers reference run")
+    parser.add_argument("--profile", action="store_true", help="print a torch profile of a decode run")
+    parser.add_argument("--out", default=None, help="write figures as JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    rows: list[EngineFigures] = []
+    for mode in args.modes.split(","):
+        dtype, quantization = mode.split(":")
+        rows.append(measure_engine(args, dtype, quantization))
+    reference = None if args.no_reference else measure_transformers(args)
+    llama_cpp = measure_llama_cpp(args)
+    _print(rows, reference, llama_cpp, args)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"ember": [asdict(r) for r in rows], "transformers": reference, "llama_cpp": llama_cpp, "quoted": QUOTED_REFERENCES}, indent=2))
+    return 0
+
+
+def _engine(args: argparse.Namespace, dtype: str, quantization: str):
+    from ember.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+
+    config = EngineConfig(dtype=dtype, quantization=quantization, threads=args.threads, enable_prefix_caching=False)
+    if args.chunk:
+        config = EngineConfig(**{**asdict(config), "max_num_batched_tokens": args.chunk})
+    return LLMEngine(args.model, config)
+
+
+def measure_engine(args: argparse.Namespace, dtype: str, quantization: str) -> EngineFigures:
+    from ember.engine.sampling import SamplingParams
+
+    started = time.perf_counter()
+    engine = _engine(args, dtype, quantization)
+    figures = EngineFigures(mode=f"{dtype}/{quantization}", load_s=time.perf_counter() - started)
+    tok = engine.tokenizer
+    greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+
+    # Warm-up: first calls pay for allocations and kernel selection.
+    engine.add_request("warm", tok.encode_chat([{"role": "user", "content": "Hello"}]), greedy(16))
+    _drain(engine)
+
+    # Single stream: time per decode step after the first token.
+    engine.add_request("single", tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]), greedy(args.decode_tokens))
+    stamps = _drain(engine)["single"]
+    figures.decode_tps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    # Prefill: unique tokens, so no cache can help.
+    prompt = [(i * 7919 + 13) % (engine.model_config.vocab_size - 100) + 50 for i in range(args.prefill_tokens)]
+    t0 = time.perf_counter()
+    engine.add_request("prefill", prompt, greedy(1))
+    _drain(engine)
+    figures.prefill_tps = args.prefill_tokens / (time.perf_counter() - t0)
+
+    # Aggregate: all sequences decoding together.
+    for i in range(args.concurrency):
+        engine.add_request(f"agg-{i}", tok.encode_chat([{"role": "user", "content": f"Write a poem about the number {i}."}]), greedy(args.aggregate_tokens))
+    overhead: list[float] = []
+    decode_steps: list[tuple[float, int]] = []
+    forward_time = [0.0]
+    original = engine.runner.execute
+
+    def timed_execute(sched):
+        t = time.perf_counter()
+        out = original(sched)
+        forward_time[0] += time.perf_counter() - t
+        return out
+
+    engine.runner.execute = timed_execute
+    while engine.has_unfinished():
+        before_forward = forward_time[0]
+        t = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t
+        overhead.append(wall - (forward_time[0] - before_forward))
+        if len(outs) == args.concurrency and all(o.new_token_ids for o in outs):
+            decode_steps.append((wall, len(outs)))
+    engine.runner.execute = original
+    if decode_steps:
+        figures.aggregate_tps = sum(n for _, n in decode_steps) / sum(w for w, _ in decode_steps)
+    overhead.sort()
+    figures.step_overhead_ms = 1000 * overhead[len(overhead) // 2]
+    figures.extra["kernels"] = engine.model.kernels is not None
+    figures.extra["chunk"] = engine.scheduler.max_num_batched_tokens
+    if args.profile:
+        _profile(engine, greedy)
+    return figures
+
+
+def _drain(engine) -> dict[str, list[float]]:
+    """Step to completion; arrival time of every token per request."""
+    stamps: dict[str, list[float]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.new_token_ids:
+                stamps.setdefault(out.request_id, []).append(time.perf_counter())
+    return stamps
+
+
+def _profile(engine, greedy) -> None:
+    from torch.profiler import profile
+
+    engine.add_request("prof", engine.tokenizer.encode("Once upon a time"), greedy(50))
+    with profile() as prof:
+        _drain(engine)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+
+
+def measure_transformers(args: argparse.Namespace) -> dict[str, float] | None:
+    """transformers' greedy generate on the same GGUF, float32: the live reference."""
+    try:
+        import torch
+        import transformers
+    except ImportError:
+        return None
+    from ember.model.loader import resolve_model_path
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = resolve_model_path(args.model)
+    folder, name = os.path.split(path)
+    tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    n = min(args.decode_tokens, 100)
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=4, do_sample=False)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, do_sample=False)
+        first = time.perf_counter() - t
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        total = time.perf_counter() - t
+        prompt = torch.tensor([[(i * 7919 + 13) % 49000 + 50 for i in range(args.prefill_tokens)]])
+        t = time.perf_counter()
+        model(prompt)
+        prefill = time.perf_counter() - t
+    return {"decode_tps": (n - 1) / max(total - first, 1e-9), "prefill_tps": args.prefill_tokens / prefill}
+
+
+def measure_llama_cpp(args: argparse.Namespace) -> dict[str, float] | None:
+    """llama.cpp through llama-cpp-python, when installed (not a dependency)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    from ember.model.loader import resolve_model_path
+
+    llm = Llama(resolve_model_path(args.model), n_threads=args.threads, n_ctx=4096, verbose=False)
+    t = time.perf_counter()
+    llm("Tell me a long story about a dragon.", max_tokens=args.decode_tokens, temperature=0)
+    decode = args.decode_tokens / (time.perf_counter() - t)
+    return {"decode_tps": decode}
+
+
+def _print(rows: list[EngineFigures], reference: dict[str, float] | None, llama_cpp: dict[str, float] | None, args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"Engine alone, {args.threads} threads (decode {args.decode_tokens} tokens, prefill {args.prefill_tokens}, {args.concurrency} concurrent)")
+    for column in ("", "decode tok/s", "prefill tok/s", f"{args.concurrency}-seq tok/s", "step overhead ms", "load s"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        table.add_row(f"Ember {r.mode}", f"{r.decode_tps:.1f}", f"{r.prefill_tps:.0f}", f"{r.aggregate_tps:.0f}", f"{r.step_overhead_ms:.2f}", f"{r.load_s:.1f}")
+    if reference:
+        table.add_row("transformers fp32 (this run)", f"{reference['decode_tps']:.1f}", f"{reference['prefill_tps']:.0f}", "", "", "")
+    if llama_cpp:
+        table.add_row("llama.cpp (this run)", f"{llama_cpp['decode_tps']:.1f}", "", "", "", "")
+    for name, figures in QUOTED_REFERENCES.items():
+        cells = [f"{figures[k]:.0f}" if k in figures else "" for k in ("decode_tps", "prefill_tps", "aggregate_tps")]
+        table.add_row(f"{name} (quoted)", *cells, "", "")
+    table.add_row("target", *(f"{TARGETS[k]:.0f}" for k in ("decode_tps", "prefill_tps", "aggregate_tps")), "", "")
+    Console(width=max(Console().width, 130)).print(table)

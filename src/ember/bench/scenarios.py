@@ -1,0 +1,259 @@
+"""Scenario benchmarks that start their own servers: session tiers, overload, server overhead.
+
+Each scenario launches ``ember serve`` with the configurations it compares,
+drives them with the ordinary bench workloads (``ember bench multiturn``,
+``load``...) as subprocesses, and prints one comparison table. Servers run one
+at a time so that they never compete for the two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from ember.bench.servers import ServerProcess, metric_value
+
+
+def _bench(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "ember.cli", "bench", *args, "--quiet"], check=True)
+
+
+def _summary(out: Path) -> dict[str, Any]:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _out_root(args: argparse.Namespace, name: str) -> Path:
+    root = Path(args.out or f"bench-results/{name}-{datetime.now():%Y%m%d-%H%M%S}")
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# Session tiers: hot vs warm vs cold TTFT by turn
+# ---------------------------------------------------------------------------
+
+TIER_CONFIGS = {
+    "hot": [],
+    "warm": ["--hot-ttl", "0"],  # demoted right after every turn: each next turn restores from RAM
+    "cold": ["--no-sessions", "--no-prefix-caching"],
+}
+
+
+def tiers_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--conversations", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--system-tokens", type=int, default=300)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+
+
+def run_tiers(args: argparse.Namespace) -> int:
+    root = _out_root(args, "tiers")
+    by_tier: dict[str, dict[str, Any]] = {}
+    for tier, extra in TIER_CONFIGS.items():
+        with ServerProcess(*extra, "--request-timeout", "300", "--warmup-requests", "2", threads=args.threads) as server:
+            out = root / tier
+            _bench("multiturn", "--url", server.url, "--conversations", str(args.conversations), "--turns", str(args.turns),
+                   "--system-tokens", str(args.system_tokens), "--max-tokens", str(args.max_tokens), "--ignore-eos",
+                   "--timeout", "600", "--out", str(out))
+            by_tier[tier] = _summary(out)["extras"]["ttft_by_turn"]
+    rows = []
+    for turn in sorted(by_tier["hot"], key=int):
+        row = [turn]
+        for tier in TIER_CONFIGS:
+            stats = by_tier[tier].get(turn, {})
+            row.append(f"{1000 * stats.get('p50', float('nan')):.0f} / {1000 * stats.get('p99', float('nan')):.0f}")
+        rows.append(row)
+    last = str(args.turns)
+    hot, warm, cold = (by_tier[t][last]["p50"] for t in ("hot", "warm", "cold"))
+    report = "\n".join([
+        f"TTFT p50 / p99 (ms) by turn, {args.conversations} conversations x {args.turns} turns, ~{args.system_tokens}-token system prompt, max_tokens {args.max_tokens}",
+        "",
+        _table(["turn", "hot", "warm (--hot-ttl 0)", "cold (no sessions, no prefix cache)"], rows),
+        "",
+        f"turn {last}: hot p50 {1000 * hot:.0f} ms (target <= 60), warm/hot {warm / hot:.2f}x (target <= 2), cold/hot {cold / hot:.1f}x (target >= 10)",
+    ])
+    (root / "tiers.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Overload: admission control on vs off, open loop at 2x capacity
+# ---------------------------------------------------------------------------
+
+ADMISSION_OFF = ["--max-running", "100000", "--max-queue", "100000", "--max-queued-tokens", "100000000"]
+
+
+def overload_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of open-loop load per configuration")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--factor", type=float, default=2.0, help="offered load as a multiple of measured capacity")
+    parser.add_argument("--max-running", type=int, default=8, help="admission: requests in the engine at once")
+    parser.add_argument("--max-queue", type=int, default=4, help="admission: requests waiting")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+
+
+def run_overload(args: argparse.Namespace) -> int:
+    root = _out_root(args, "overload")
+    common = ["--request-timeout", "600", "--warmup-requests", "2"]
+    with ServerProcess(*common, *ADMISSION_OFF, threads=args.threads) as server:
+        out = root / "capacity"
+        _bench("load", "--url", server.url, "--concurrency", "8", "--requests", "48", "--max-tokens", str(args.max_tokens), "--ignore-eos", "--out", str(out))
+        capacity = _summary(out)["groups"][0]["summary"]["request_throughput"]
+    rate = args.factor * capacity
+    results: dict[str, dict[str, Any]] = {}
+    configs = {"admission on": ["--max-running", str(args.max_running), "--max-queue", str(args.max_queue)], "admission off": ADMISSION_OFF}
+    for name, extra in configs.items():
+        with ServerProcess(*common, *extra, threads=args.threads) as server:
+            out = root / name.replace(" ", "-")
+            cpu_before = server.cpu_seconds()
+            _bench("load", "--url", server.url, "--rate", f"{rate:.3f}", "--duration", str(args.duration), "--requests", "0",
+                   "--max-tokens", str(args.max_tokens), "--ignore-eos", "--timeout", "600", "--out", str(out))
+            summary = _summary(out)
+            metrics = server.metrics()
+            try:
+                rejected = metric_value(metrics, "llm_requests_rejected_total")
+            except KeyError:
+                rejected = 0.0
+            results[name] = {"summary": summary["groups"][0]["summary"], "rejected": rejected, "cpu_s": server.cpu_seconds() - cpu_before,
+                             "requests": json.loads((out / "requests.json").read_text())}
+    rows = []
+    for name, r in results.items():
+        s = r["summary"]
+        rejected_records = [x for x in r["requests"] if x.get("status") == 429]
+        reject_ms = statistics.median([1000 * (x["end_s"] - x["start_s"]) for x in rejected_records]) if rejected_records else float("nan")
+        ttft_p99, e2e_p99 = s["ttft"].get("p99"), s["e2e"].get("p99")
+        rows.append([name, str(s["completed"]), str(len(rejected_records)), "-" if ttft_p99 is None else f"{1000 * ttft_p99:.0f}",
+                     "-" if e2e_p99 is None else f"{e2e_p99:.2f}", f"{reject_ms:.1f}"])
+    report = "\n".join([
+        f"Open loop (Poisson) at {rate:.2f} req/s = {args.factor}x the measured capacity ({capacity:.2f} req/s), {args.duration:.0f} s, max_tokens {args.max_tokens}",
+        "",
+        _table(["configuration", "completed", "429s", "admitted p99 TTFT (ms)", "admitted p99 E2E (s)", "429 latency p50 (ms, client)"], rows),
+    ])
+    (root / "overload.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# Server overhead: TTFT through HTTP vs the engine alone; SSE framing; 16 streams
+# ---------------------------------------------------------------------------
+
+
+def overhead_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=None)
+
+
+def run_overhead(args: argparse.Namespace) -> int:
+    import asyncio
+
+    root = _out_root(args, "server-overhead")
+    prompt = [{"role": "user", "content": "Hi!"}]
+    engine_ttft, engine_tps = asyncio.run(_engine_alone(prompt, args))
+    with ServerProcess("--request-timeout", "600", threads=args.threads) as server:
+        http_ttft = _http_ttfts(server.url, prompt, args.requests)
+        out = root / "concurrent"
+        _bench("load", "--url", server.url, "--concurrency", str(args.concurrency), "--requests", str(args.concurrency * 2),
+               "--max-tokens", str(args.max_tokens), "--ignore-eos", "--timeout", "600", "--out", str(out))
+        server_tps = _summary(out)["groups"][0]["summary"]["output_throughput"]
+    framing_us = _sse_framing_us()
+    p50_http, p50_engine = statistics.median(http_ttft), statistics.median(engine_ttft)
+    report = "\n".join([
+        _table(["figure", "engine alone", "through HTTP", "difference", "target"], [
+            ["TTFT p50, short prompt (ms)", f"{1000 * p50_engine:.1f}", f"{1000 * p50_http:.1f}", f"{1000 * (p50_http - p50_engine):+.1f} ms", "<= 5 ms"],
+            [f"{args.concurrency} streams, tokens/s", f"{engine_tps:.0f}", f"{server_tps:.0f}", f"{100 * (server_tps / engine_tps - 1):+.1f} %", ">= -10 %"],
+            ["SSE framing per chunk (us)", "", f"{framing_us:.1f}", "", "<= 300 us"],
+        ]),
+    ])
+    (root / "overhead.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+async def _engine_alone(prompt: list[dict[str, str]], args: argparse.Namespace) -> tuple[list[float], float]:
+    """The same requests straight into an AsyncEngine in this process."""
+    import torch
+
+    from ember.config import EngineConfig
+    from ember.engine.async_engine import AsyncEngine
+    from ember.engine.engine import LLMEngine
+    from ember.engine.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    engine = AsyncEngine(LLMEngine(None, EngineConfig(threads=args.threads)))
+    engine.start()
+    ids = engine.tokenizer.encode_chat(prompt)
+    ttfts = []
+    for i in range(args.requests + 2):
+        started = time.perf_counter()
+        first = None
+        async for out in engine.generate(f"o{i}", ids, SamplingParams(max_tokens=4, temperature=0.0)):
+            if first is None and out.new_token_ids:
+                first = time.perf_counter() - started
+        if i >= 2:  # the first two warm up
+            ttfts.append(first or 0.0)
+
+    async def stream(i: int) -> int:
+        n = 0
+        async for out in engine.generate(f"c{i}", engine.tokenizer.encode_chat([{"role": "user", "content": f"Write a story number {i}."}]),
+                                         SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)):
+            n += len(out.new_token_ids)
+        return n
+
+    started = time.perf_counter()
+    counts = []
+    for _ in range(2):  # the same shape as the HTTP run: two rounds of `concurrency` requests
+        counts += await asyncio.gather(*[stream(i) for i in range(args.concurrency)])
+    tps = sum(counts) / (time.perf_counter() - started)
+    engine.stop()
+    return ttfts, tps
+
+
+def _http_ttfts(url: str, prompt: list[dict[str, str]], n: int) -> list[float]:
+    import httpx
+
+    out = []
+    with httpx.Client(timeout=60) as client:
+        for i in range(n + 2):
+            started = time.perf_counter()
+            with client.stream("POST", f"{url}/chat/completions", json={"messages": prompt, "max_tokens": 4, "temperature": 0, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: ") and '"content":"' in line and '"content":""' not in line:
+                        if i >= 2:
+                            out.append(time.perf_counter() - started)
+                        break
+                for _ in r.iter_lines():
+                    pass
+    return out
+
+
+def _sse_framing_us() -> float:
+    from ember.server import sse
+
+    chunk = {"id": "chatcmpl-0123456789abcdef01234567", "object": "chat.completion.chunk", "created": 1700000000, "model": "SmolLM2-135M-Instruct",
+             "choices": [{"index": 0, "delta": {"content": " hello"}, "logprobs": None, "finish_reason": None}]}
+    n = 20000
+    started = time.perf_counter()
+    for _ in range(n):
+        sse.event(chunk)
+    return 1e6 * (time.perf_counter() - started) / n
