@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
-Quantization = Literal["none", "int8", "w8a8"]
+Quantization = Literal["none", "int8", "int4", "w8a8"]
 
 
 @dataclass(frozen=True)

@@ -4,12 +4,13 @@ Three numerics, chosen by ``EngineConfig.quantization``:
 
 * ``none``: ``y = x W^T`` in the activation dtype.
 * ``int8`` (weight-only): ``W ~ q * s`` with ``q`` int8 and one float scale
-  per output channel; activations stay in the activation dtype. A matmul of a
-  few rows (decode) is memory-bound, so it reads the int8 weight directly
-  (``torch._weight_int8pack_mm``: half the bytes of bf16). Many rows (prefill,
-  large decode batches) are compute-bound; they use a dense copy of the
-  dequantized weight, which runs on the fast GEMM. Both paths compute with the
+  per output channel. A matmul of a few rows (decode) is memory-bound, so it
+  reads the int8 weight directly (a quarter of float32's bytes). Many rows
+  (prefill, large decode batches) are compute-bound; they use a bfloat16 dense
+  copy of the dequantized weight on the fast GEMM. Both paths compute with the
   same dequantized weight values.
+* ``int4``: 4-bit groups of 32 (``w ~ (q - 8) s + z``), torch's int4pack GEMV
+  for decode rows; it reproduces a GGUF Q4_0/Q4_1 weight exactly.
 * ``w8a8``: fbgemm's dynamic quantization (``quantized::linear_dynamic``): the
   activation is also quantized to int8, per call, and the product runs on int8
   units. Fastest at every batch size on AVX-512 VNNI, but activation outliers
@@ -23,12 +24,16 @@ import functools
 import torch
 from torch import nn
 
+from ember.kernels import cpu as cpu_kernels
+
 # Rows at or below which the int8 weight-only path reads int8 weights directly.
-# Measured on the 2-core AVX-512 machine: int8pack wins up to 4 rows, the dense
-# bf16 GEMM from 8 rows on (README, "Numerics").
+# Measured on the 2-core AVX-512 machine (README, "Numerics"): Ember's GEMV beats
+# the bf16 GEMM up to 8 rows; torch's int8pack (no compiled kernels) up to 4.
+GEMV_MAX_ROWS = 8
 INT8_DIRECT_MAX_ROWS = 4
 
-QUANTIZATIONS = ("none", "int8", "w8a8")
+QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
+INT4_GROUP = 32
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
@@ -37,6 +42,8 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: s
         return Int8Linear(weight, bias, dtype, device)
     if quantization == "w8a8":
         return DynamicInt8Linear(weight, bias, dtype, device)
+    if quantization == "int4":
+        return Int4Linear(weight, bias, dtype, device)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
     return DenseLinear(weight, bias, dtype, device)
@@ -70,32 +77,91 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
 class Int8Linear(nn.Module):
     """Weight-only int8 with per-output-channel scales; see the module docstring.
 
-    On CPU the product runs in bfloat16 whatever the activation dtype, because
-    both fast kernels, int8pack and the oneDNN GEMM, are bfloat16 kernels: the
-    input is cast at the boundary (``input_dtype`` tells producers which dtype
-    to emit so the cast is free) and the output is returned in bfloat16; the
-    float32 residual stream absorbs it.
+    On CPU a few rows (decode) go through Ember's int8 GEMV kernel
+    (kernels/cpu_kernels.cpp: float32 activations, ~28 GB/s of weights) or, without
+    it, torch's int8pack; many rows through the bfloat16 GEMM on a dense copy.
+    ``input_dtype`` tells producers which dtype to emit so no cast is needed.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         q, scale = quantize_per_channel_int8(weight)
         self.dtype = dtype
-        self.compute_dtype = torch.bfloat16 if device.type == "cpu" else dtype
-        self.register_buffer("qweight", q.to(device))
-        self.register_buffer("scale", scale.to(device=device, dtype=self.compute_dtype))
-        self.register_buffer("dense", (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
-        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=self.compute_dtype))
+        self.kernels = cpu_kernels.load() if device.type == "cpu" else None
         self.direct = device.type == "cpu"
-        self.input_dtype = self.compute_dtype
+        self.compute_dtype = torch.bfloat16 if self.direct else dtype
+        self.register_buffer("qweight", q.to(device))
+        self.register_buffer("scale", scale.to(device=device, dtype=torch.float32))
+        self.register_buffer("scale_compute", scale.to(device=device, dtype=self.compute_dtype))
+        self.register_buffer("dense", (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
+        self.input_dtype = torch.float32 if self.kernels is not None else self.compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xc = x.to(self.compute_dtype)
-        if self.direct and x.shape[0] <= INT8_DIRECT_MAX_ROWS:
-            y = torch._weight_int8pack_mm(xc, self.qweight, self.scale)
+        rows = x.shape[0]
+        if self.kernels is not None and rows <= GEMV_MAX_ROWS:
+            y = self.kernels.gemv_int8(x, self.qweight, self.scale)
+        elif self.direct and rows <= INT8_DIRECT_MAX_ROWS:
+            y = torch._weight_int8pack_mm(x.to(self.compute_dtype), self.qweight, self.scale_compute)
+        else:
+            y = nn.functional.linear(x.to(self.compute_dtype), self.dense)
+        return y if self.bias is None else y + self.bias
+
+
+def quantize_groups_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit quantization in groups of ``group`` inputs: ``w ~ (q - 8) * s + z``.
+
+    Returns ``q`` (out, in) int32 in [0, 15] and ``s``, ``z`` (in / group, out).
+    A GGUF Q4_1 group (``w = d * q + m``) whose codes span 0..15 comes back
+    exactly: ``s = d`` and ``z = m + 8 d``.
+    """
+    out_f, in_f = weight.shape
+    w = weight.to(torch.float32).reshape(out_f, in_f // group, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = ((hi - lo) / 15).clamp_min(1e-12)
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.int32).reshape(out_f, in_f)
+    zero = lo + 8 * scale
+    return q, scale.t().contiguous(), zero.t().contiguous()
+
+
+class Int4Linear(nn.Module):
+    """Weight-only 4-bit groups (torch's int4pack GEMV on CPU) for the memory-bound
+    decode rows, a dense bfloat16 copy of the same values for many rows."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        if device.type != "cpu" or weight.shape[1] % INT4_GROUP:
+            raise ValueError("quantization='int4' needs a CPU and input sizes divisible by 32")
+        q, scale, zero = quantize_groups_int4(weight)
+        self.input_dtype = torch.bfloat16
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 2))
+        self.register_buffer("scale_zero", torch.stack([scale, zero], -1).to(torch.bfloat16))
+        dense = (q.float() - 8) * scale.t().repeat_interleave(INT4_GROUP, 1) + zero.t().repeat_interleave(INT4_GROUP, 1)
+        self.register_buffer("dense", dense.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(torch.bfloat16)
+        if x.shape[0] <= INT8_DIRECT_MAX_ROWS:
+            y = torch._weight_int4pack_mm_for_cpu(xc, self.packed, INT4_GROUP, self.scale_zero)
         else:
             y = nn.functional.linear(xc, self.dense)
         return y if self.bias is None else y + self.bias
+
+
+def linear_parts(layer: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(kind, packed weight, scales, dense copy) as the C++ decode loop takes them; None if it has no twin.
+
+    Kinds: 0 dense, 1 int8 weight-only, 2 int4 groups (see kernels/cpu_kernels.cpp).
+    """
+    empty = torch.empty(0)
+    if isinstance(layer, DenseLinear):
+        return 0, layer.weight, empty, empty
+    if isinstance(layer, Int8Linear) and layer.kernels is not None:
+        return 1, layer.qweight, layer.scale, layer.dense
+    if isinstance(layer, Int4Linear):
+        return 2, layer.packed, layer.scale_zero, layer.dense
+    return None
 
 
 @functools.lru_cache(maxsize=1)
