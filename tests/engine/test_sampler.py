@@ -130,3 +130,11 @@ def test_tiny_temperature_is_greedy_not_nan():
     for t in (1e-300, 5e-324, 1e-6):
         tokens, _ = Sampler()(logits, [make_request(SamplingParams(temperature=t, top_p=0.5, seed=1))])
         assert tokens == [int(logits.argmax())]
+
+
+def test_extreme_penalties_stay_finite():
+    logits = torch.randn(1, 100) * 30
+    request = make_request(SamplingParams(temperature=1.5, repetition_penalty=0.01, frequency_penalty=2.0, presence_penalty=-2.0, seed=3),
+                           tokens=tuple(range(50)), outputs=(1, 1, 2))
+    tokens, _ = Sampler()(logits, [request])
+    assert 0 <= tokens[0] < 100

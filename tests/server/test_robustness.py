@@ -102,7 +102,8 @@ def test_cancellation_storm_leaks_nothing(server):
 
     results = asyncio.run(storm())
     assert len(results) == 100
-    assert set(results) <= {"cut", "http_429"}, results
+    # Admission control may refuse some at once (429 queue full, 503 deadline unreachable): never a 500.
+    assert set(results) <= {"cut", "http_429", "http_503"}, results
     assert results.count("cut") >= 60
     started = time.monotonic()
     assert_healthy(server)

@@ -73,7 +73,9 @@ class Sampler:
     @staticmethod
     def _sample(row: torch.Tensor, request: Request) -> int:
         p = request.params
-        row = row / p.temperature
+        # Penalties can push logits to +-inf (a tiny repetition penalty divides by
+        # almost zero); keep the ordering but stay finite so softmax has no NaN.
+        row = torch.nan_to_num(row / p.temperature, nan=-3.0e38, posinf=3.0e38, neginf=-3.0e38)
         if p.top_k > 0 and p.top_k < row.shape[0]:
             kth = torch.topk(row, p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

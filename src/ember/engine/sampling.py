@@ -79,8 +79,8 @@ class SamplingParams:
             fail("presence_penalty", f"presence_penalty must be between -2 and 2, got {self.presence_penalty}.")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             fail("frequency_penalty", f"frequency_penalty must be between -2 and 2, got {self.frequency_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            fail("repetition_penalty", f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
+        if not 0.01 <= self.repetition_penalty <= 2.0:
+            fail("repetition_penalty", f"repetition_penalty must be in [0.01, 2], got {self.repetition_penalty}.")
         if self.seed is not None and (not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64):
             fail("seed", f"seed must be a 64-bit integer, got {self.seed!r}.")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):

@@ -73,7 +73,7 @@ class _GenerationFields(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    repetition_penalty: float | None = Field(default=None, gt=0.0, le=2.0)
+    repetition_penalty: float | None = Field(default=None, ge=0.01, le=2.0)
 
     @field_validator("stop")
     @classmethod
