@@ -53,10 +53,19 @@ def hf_reference():
 
 
 @pytest.fixture(scope="session")
-def server():
-    """One real `ember serve` on the embedded model (default options), shared by server tests."""
+def ember_server():
+    """One real `ember serve` on the embedded model (default options), shared by the whole session.
+
+    Also available as ``server``; directories whose conftest defines their own
+    ``server`` (tests/client's fake servers) use ``ember_server``.
+    """
     from server_process import ServerProcess
 
     proc = ServerProcess().wait_ready()
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="session")
+def server(ember_server):
+    return ember_server

@@ -80,7 +80,18 @@ def test_completions_hostile(server):
     assert_healthy(server)
 
 
-def test_cancellation_storm_leaks_nothing(server):
+@pytest.fixture(scope="module")
+def roomy_server():
+    """Admission limits above 100, so every request of the storm really is in flight."""
+    from server_process import ServerProcess
+
+    proc = ServerProcess("--max-running", "128", "--max-queue", "128", "--warmup-requests", "1").wait_ready()
+    yield proc
+    proc.stop()
+
+
+def test_cancellation_storm_leaks_nothing(roomy_server):
+    server = roomy_server
     idle = metric_value(server.metrics(), "llm_kv_cache_usage_ratio")
 
     async def one(client: httpx.AsyncClient) -> str:
@@ -102,9 +113,7 @@ def test_cancellation_storm_leaks_nothing(server):
 
     results = asyncio.run(storm())
     assert len(results) == 100
-    # Admission control may refuse some at once (429 queue full, 503 deadline unreachable): never a 500.
-    assert set(results) <= {"cut", "http_429", "http_503"}, results
-    assert results.count("cut") >= 60
+    assert results == ["cut"] * 100, results  # every one was streaming when the client gave up
     started = time.monotonic()
     assert_healthy(server)
     assert time.monotonic() - started < 10
