@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import Response, StreamingResponse
@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 from ember.engine.request import RequestOutput, TokenLogprob
 from ember.server import sse
 from ember.server.errors import APIError
-from ember.server.generation import PreparedRequest, run
+from ember.server.generation import Caller, PreparedRequest, admit, run
 from ember.server.protocol import chat_logprobs, finish_fields, new_id, now_s, usage
 from ember.server.state import ServerState
 
@@ -109,6 +109,19 @@ class CompletionFormat(ReplyFormat):
             "top_logprobs": [{self.token_text(t): lp for t, lp in e.top} for e in entries],
             "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
         }
+
+
+async def respond(http: HTTPRequest, body: Any, prepare: Callable[..., PreparedRequest], fmt_class: type[ReplyFormat]) -> Response:
+    """The whole of a generation route: validate, admit, then stream or answer in full."""
+    state = http.app.state.ember
+    caller = Caller.from_http(http)
+    prepared = prepare(state, caller, body)
+    prepared.record = http.scope["state"]["record"]
+    await admit(state, caller, prepared)
+    fmt = fmt_class(state, prepared)
+    if prepared.stream:
+        return streaming_reply(state, http, prepared, fmt)
+    return await full_reply(state, http, prepared, fmt)
 
 
 def reply_headers(state: ServerState, prepared: PreparedRequest) -> dict[str, str]:
