@@ -6,9 +6,6 @@ from ember.engine.engine import LLMEngine
 from ember.engine.request import RequestOutput
 from ember.engine.sampling import SamplingParams
 
-GREEDY = dict(temperature=0.0)
-
-
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 

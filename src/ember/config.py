@@ -6,7 +6,7 @@ place. Every field documents its unit in its name (``_s`` seconds, ``_bytes``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
@@ -124,7 +124,6 @@ class ServerConfig:
     slo_window_s: float = 120.0
     slo_ttft_p99_s: float | None = None
     slo_min_samples: int = 20
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 # max_tokens applied when a request does not set one, by --profile.

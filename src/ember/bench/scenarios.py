@@ -19,7 +19,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from ember.bench.servers import ServerProcess, metric_value
+from ember.bench.servers import ServerProcess
 
 
 def _bench(*args: str) -> None:
@@ -123,16 +123,9 @@ def run_overload(args: argparse.Namespace) -> int:
     for name, extra in configs.items():
         with ServerProcess(*common, *extra, threads=args.threads) as server:
             out = root / name.replace(" ", "-")
-            cpu_before = server.cpu_seconds()
             _bench("load", "--url", server.url, "--rate", f"{rate:.3f}", "--duration", str(args.duration), "--requests", "0",
                    "--max-tokens", str(args.max_tokens), "--ignore-eos", "--timeout", "600", "--out", str(out))
-            summary = _summary(out)
-            metrics = server.metrics()
-            try:
-                rejected = metric_value(metrics, "llm_requests_rejected_total")
-            except KeyError:
-                rejected = 0.0
-            results[name] = {"summary": summary["groups"][0]["summary"], "rejected": rejected, "cpu_s": server.cpu_seconds() - cpu_before,
+            results[name] = {"summary": _summary(out)["groups"][0]["summary"],
                              "requests": json.loads((out / "requests.json").read_text()),
                              "server_429_ms": _server_time_ms(server.log_path.read_text(errors="replace"), status=429)}
     rows = []

@@ -96,11 +96,6 @@ class ServerProcess:
     def metrics(self) -> str:
         return httpx.get(f"{self.base}/metrics", timeout=10, verify=self.verify).text
 
-    def cpu_seconds(self) -> float:
-        """User + system CPU time the process has used so far (from /proc)."""
-        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)

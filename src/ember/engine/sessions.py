@@ -317,13 +317,17 @@ class SessionManager:
                 pass
             self.disk_bytes -= session.disk_bytes
             session.path, session.disk_bytes = None, 0
-        for i, h in enumerate(session.block_hashes):
-            if self._index.get(h) == (session.key, i):
-                del self._index[h]
+        self._unindex_session(session)
 
     def _index_session(self, session: Session) -> None:
         for i, h in enumerate(session.block_hashes):
             self._index[h] = (session.key, i)
+
+    def _unindex_session(self, session: Session) -> None:
+        """Drop the session's entries (not those another session has claimed since)."""
+        for i, h in enumerate(session.block_hashes):
+            if self._index.get(h) == (session.key, i):
+                del self._index[h]
 
     # -- disk ------------------------------------------------------------------------------
 
@@ -338,9 +342,7 @@ class SessionManager:
             return None
         if header.block_hashes != session.block_hashes or header.token_ids != session.token_ids:
             # Another replica sharing session_dir rewrote the file: the file is the truth.
-            for i, h in enumerate(session.block_hashes):
-                if self._index.get(h) == (session.key, i):
-                    del self._index[h]
+            self._unindex_session(session)
             session.block_hashes, session.token_ids, session.text = header.block_hashes, header.token_ids, None
             self._index_session(session)
         return packed

@@ -86,7 +86,6 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         q, scale = quantize_per_channel_int8(weight)
-        self.dtype = dtype
         self.kernels = cpu_kernels.load() if device.type == "cpu" else None
         self.direct = device.type == "cpu"
         self.compute_dtype = torch.bfloat16 if self.direct else dtype
