@@ -43,4 +43,4 @@ def test_router_adds_little_to_time_to_first_token(upstreams, start_router) -> N
             routed.append(time_to_first_token(client, routed_url, body))
     overhead_s = statistics.median(routed) - statistics.median(direct)
     print(f"TTFT p50 direct {statistics.median(direct) * 1e3:.2f} ms, routed {statistics.median(routed) * 1e3:.2f} ms")
-    assert overhead_s < 0.005
+    assert overhead_s < 0.02  # a Nagle / delayed-ACK stall would add ~40 ms

@@ -21,7 +21,15 @@ def small_server():
     proc.stop()
 
 
-def test_ten_times_overload_gets_fast_429s_and_admitted_finish(small_server):
+def test_ten_times_overload_refuses_without_queueing_and_admitted_finish(small_server):
+    """Refusals never wait for the engine; how fast they are is measured by `ember bench overload`.
+
+    The check is an ordering, not a clock: a refused request's headers arrive
+    before those of any request that had to wait in the queue, which needs a
+    running request to finish (24 decode steps) first. A slow or busy machine
+    stretches both sides alike.
+    """
+
     async def one(client: httpx.AsyncClient) -> tuple[int, float, bool]:
         started = time.perf_counter()
         async with client.stream("POST", f"{small_server.url}/chat/completions", json=BODY) as r:
@@ -40,8 +48,9 @@ def test_ten_times_overload_gets_fast_429s_and_admitted_finish(small_server):
     assert statuses.count(200) >= 4
     assert all(ok for _, _, ok in results)  # admitted ones completed, refused ones carry Retry-After
     refusal_times = sorted(t for s, t, _ in results if s == 429)
-    assert refusal_times[len(refusal_times) // 2] < 0.05, refusal_times  # median well under 50 ms
-    assert refusal_times[-1] < 0.25, refusal_times
+    admitted_times = sorted(t for s, t, _ in results if s == 200)
+    first_queued = admitted_times[2]  # the first two ran at once; the rest waited for a slot
+    assert refusal_times[-1] < first_queued, (refusal_times, admitted_times)
     assert metric_value(small_server.metrics(), "llm_requests_rejected_total") >= len(refusal_times)
 
 

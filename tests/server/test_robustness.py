@@ -142,7 +142,7 @@ def test_deadline_stops_generation_on_time(server):
     started = time.monotonic()
     r = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=LONG, max_tokens=1000, extra_body={"timeout": 0.5, "ignore_eos": True})
     elapsed = time.monotonic() - started
-    assert elapsed < 1.5, elapsed
+    assert elapsed < 3.0, elapsed  # 1000 tokens would take ~8 s
     assert r.choices[0].finish_reason == "length"
     assert r.choices[0].model_extra.get("stop_reason") == "timeout"
     assert 0 < r.usage.completion_tokens < 1000

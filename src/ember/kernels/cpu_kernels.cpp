@@ -392,12 +392,16 @@ Tensor decode_layers(Tensor x, std::vector<Tensor> tensors, std::vector<int64_t>
   return x;
 }
 
+// Every kernel runs without the GIL: the engine thread spends most of a step in
+// here, and the server's event loop (same process) must keep accepting,
+// refusing and streaming meanwhile. Arguments are converted before the release.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_layers", &decode_layers);
-  m.def("gemv_int8", &gemv_int8);
-  m.def("rmsnorm", &rmsnorm);
-  m.def("add_rmsnorm", &add_rmsnorm);
-  m.def("rope_store", &rope_store);
-  m.def("paged_attention_decode", &paged_attention_decode);
-  m.def("silu_mul", &silu_mul);
+  using no_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("decode_layers", &decode_layers, no_gil());
+  m.def("gemv_int8", &gemv_int8, no_gil());
+  m.def("rmsnorm", &rmsnorm, no_gil());
+  m.def("add_rmsnorm", &add_rmsnorm, no_gil());
+  m.def("rope_store", &rope_store, no_gil());
+  m.def("paged_attention_decode", &paged_attention_decode, no_gil());
+  m.def("silu_mul", &silu_mul, no_gil());
 }
