@@ -127,7 +127,7 @@ def run_overload(args: argparse.Namespace) -> int:
                    "--max-tokens", str(args.max_tokens), "--ignore-eos", "--timeout", "600", "--out", str(out))
             results[name] = {"summary": _summary(out)["groups"][0]["summary"],
                              "requests": json.loads((out / "requests.json").read_text()),
-                             "server_429_ms": _server_time_ms(server.log_path.read_text(errors="replace"), status=429)}
+                             "server_429_ms": _median_ms([e["total_s"] for e in server.access_log(status=429)])}
     rows = []
     for name, r in results.items():
         s = r["summary"]
@@ -147,20 +147,8 @@ def run_overload(args: argparse.Namespace) -> int:
     return 0
 
 
-def _server_time_ms(log: str, status: int) -> float:
-    """Median ``total_s`` of the access-log lines with this status: the server's own time."""
-    times = []
-    for line in log.splitlines():
-        start = line.find('{"request_id"')
-        if start < 0:
-            continue
-        try:
-            entry = json.loads(line[start:])
-        except ValueError:
-            continue
-        if entry.get("status") == status:
-            times.append(1000 * entry["total_s"])
-    return statistics.median(times) if times else float("nan")
+def _median_ms(seconds: list[float]) -> float:
+    return 1000 * statistics.median(seconds) if seconds else float("nan")
 
 
 # ---------------------------------------------------------------------------

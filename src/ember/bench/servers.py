@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -80,6 +81,26 @@ class ServerProcess:
     def log(self) -> str:
         self._log.flush()
         return self.log_path.read_text(errors="replace")[-5000:]
+
+    def access_log(self, status: int | None = None) -> list[dict]:
+        """The server's access-log entries (one JSON object per request), optionally of one status.
+
+        ``total_s`` in each is the server's own time for the exchange, from the
+        first middleware to the last byte sent.
+        """
+        self._log.flush()
+        entries = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            start = line.find('{"request_id"')
+            if start < 0:
+                continue
+            try:
+                entry = json.loads(line[start:])
+            except ValueError:
+                continue
+            if status is None or entry.get("status") == status:
+                entries.append(entry)
+        return entries
 
     @property
     def verify(self) -> ssl.SSLContext | bool:

@@ -50,6 +50,10 @@ log = logging.getLogger("ember.server")
 HEALTH_SERVICE_NAME = "grpc.health.v1.Health"
 # The longest timeout a request may carry (protocol.py); a longer deadline is clamped to it.
 MAX_TIMEOUT_S = 3600.0
+# The client cancels at its own clock's deadline, which the server (whose
+# deadline starts when the call arrives) sees a little early: a cancellation
+# this close to the deadline is the deadline.
+DEADLINE_SLACK_S = 0.1
 
 
 class GrpcServer:
@@ -253,7 +257,7 @@ class _Call:
         await self.context.abort(code, error.message, trailing_metadata=tuple(trailers))
 
     def close(self) -> None:
-        if self.status == 499 and self.deadline_s is not None and (self.context.time_remaining() or 0.0) <= 0:
+        if self.status == 499 and self.deadline_s is not None and (self.context.time_remaining() or 0.0) <= DEADLINE_SLACK_S:
             self.status = 504  # gRPC cancelled the call at its deadline: log it as such
         if self.caller is not None:
             for done in self.caller.on_done:
