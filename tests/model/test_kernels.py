@@ -58,21 +58,24 @@ def test_rope_store_matches_complex_rotation(k, with_bias, qkv_dtype):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_attention_matches_sdpa(k, out_dtype):
+@pytest.mark.parametrize("context_lens", [[1, 17, 100, 33], [613]], ids=["batch", "one-long"])
+def test_paged_decode_attention_matches_sdpa(k, out_dtype, context_lens):
+    """A long single context is split into spans over the threads and merged; short ones are one span each."""
     torch.manual_seed(0)
     h, kv, hd, bs = 9, 3, 64, 16
-    num_blocks = 40
+    num_blocks = 60
     k_cache, v_cache = torch.randn(num_blocks * bs, kv, hd), torch.randn(num_blocks * bs, kv, hd)
-    lens = torch.tensor([1, 17, 100, 33])
-    tables = torch.zeros(4, 8, dtype=torch.long)
+    lens = torch.tensor(context_lens)
+    batch = len(context_lens)
+    tables = torch.zeros(batch, 40, dtype=torch.long)
     perm = torch.randperm(num_blocks - 1) + 1
     used = 0
     for b, n in enumerate(lens.tolist()):
         nb = math.ceil(n / bs)
         tables[b, :nb] = perm[used : used + nb]
         used += nb
-    q = torch.randn(4, h, hd)
-    out = torch.empty(4, h * hd, dtype=out_dtype)
+    q = torch.randn(batch, h, hd)
+    out = torch.empty(batch, h * hd, dtype=out_dtype)
     k.paged_attention_decode(out, q, k_cache, v_cache, tables, lens, bs, 0.125)
     for b, n in enumerate(lens.tolist()):
         slots = (tables[b].unsqueeze(-1) * bs + torch.arange(bs)).flatten()[:n]

@@ -165,11 +165,214 @@ Tensor rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor s
 
 // Decode attention straight from the paged cache: one query token per sequence,
 // grouped-query heads, softmax in float32. No gather of the context, no mask.
+//
+// Work is split flash-decoding style: each task is (sequence, kv head, a span
+// of the context), so one long sequence still spreads over every thread; each
+// task keeps its own running max, sum and unnormalised output, and the spans
+// are merged exactly afterwards (rescaled by exp(max_span - max_all)).
+namespace {
+
+// Context tokens per task at most; spans are whole KV blocks.
+constexpr int64_t ATTENTION_SPAN = 256;
+
+#ifdef EMBER_AVX512
+// exp(x) for x <= 0 (softmax arguments after subtracting the max): 2^(x log2 e)
+// as 2^n * p(f), p a degree-6 polynomial of 2^f on [-0.5, 0.5]; relative
+// error ~2e-7, like std::exp in float32.
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(y, n);
+  __m512 p = _mm512_set1_ps(1.5353362e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180916e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+struct AttentionSpan {
+  int64_t seq, kv_head, begin, end;
+};
+
+// Rows of one head are head_dim floats every kv_width floats, in blocks
+// scattered over the pool: the hardware prefetcher does not follow them, so
+// the loops below ask for the row PREFETCH_AHEAD tokens on.
+constexpr int64_t PREFETCH_AHEAD = 8;
+
+inline void prefetch_row(const float* row, int64_t head_dim) {
+#ifdef EMBER_AVX512
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t byte = 0; byte < head_dim * 4; byte += 64) _mm_prefetch(bytes + byte, _MM_HINT_T0);
+#endif
+}
+
+#ifdef EMBER_AVX512
+// G query heads share a kv head; C = head_dim / 16. The queries (G x C vectors)
+// and, in values(), the G x 1 accumulators of one 16-wide chunk stay in
+// registers across the whole span: accumulating in memory instead made every
+// token wait on a store-to-load round trip (measured 4x slower).
+template <int G, int C>
+void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t len, float scale, float* scores) {
+  __m512 q[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qb + g * C * 16 + c * 16);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * 16);
+    const float* k = kc + rows[t];
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(q[g][c], kv[c], d);
+      scores[g * len + t] = _mm512_reduce_add_ps(d) * scale;
+    }
+  }
+}
+
+template <int G, int C>
+void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc) {
+  for (int c = 0; c < C; ++c) {
+    __m512 a[G];
+    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; ++t) {
+      if (c == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * 16);
+      const __m512 v = _mm512_loadu_ps(vc + rows[t] + c * 16);
+      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * len + t]), v, a[g]);
+    }
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * C * 16 + c * 16, a[g]);
+  }
+}
+
+using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, float, float*);
+using ValuesFn = void (*)(const float*, const int64_t*, int64_t, const float*, float*);
+
+template <int C>
+bool pick_span_kernels(int64_t group, ScoresFn* scores, ValuesFn* values) {
+  switch (group) {
+#define EMBER_GROUP(G) \
+  case G:              \
+    *scores = span_scores<G, C>; \
+    *values = span_values<G, C>; \
+    return true;
+    EMBER_GROUP(1) EMBER_GROUP(2) EMBER_GROUP(3) EMBER_GROUP(4) EMBER_GROUP(5) EMBER_GROUP(6) EMBER_GROUP(7) EMBER_GROUP(8)
+#undef EMBER_GROUP
+    default:
+      return false;
+  }
+}
+
+// The register-blocked kernels for this shape, if there are some (head_dim 64 or 128, group <= 8).
+bool span_kernels(int64_t group, int64_t head_dim, ScoresFn* scores, ValuesFn* values) {
+  if (head_dim == 64) return pick_span_kernels<4>(group, scores, values);
+  if (head_dim == 128) return pick_span_kernels<8>(group, scores, values);
+  return false;
+}
+#endif
+
+// One span: scores = q.k * scale for the group's heads, then m = max, l = sum
+// exp(score - m), acc = sum exp(score - m) v. Writes acc (group, Hd), m, l.
+void attend_span(const float* qb, const float* kc, const float* vc, const int64_t* table, const AttentionSpan& span,
+                 int64_t group, int64_t head_dim, int64_t kv_width, int64_t block_size, float scale,
+                 float* scores, float* acc, float* m_out, float* l_out) {
+  const int64_t len = span.end - span.begin;
+  const int64_t kv_offset = span.kv_head * head_dim;
+  // Offsets of the span's rows, walked block by block (no division per token).
+  std::vector<int64_t> rows(len);
+  {
+    int64_t block = span.begin / block_size, within = span.begin % block_size;
+    for (int64_t t = 0; t < len; ++t) {
+      rows[t] = (table[block] * block_size + within) * kv_width + kv_offset;
+      if (++within == block_size) {
+        within = 0;
+        ++block;
+      }
+    }
+  }
+#ifdef EMBER_AVX512
+  ScoresFn fast_scores = nullptr;
+  ValuesFn fast_values = nullptr;
+  const bool fast = span_kernels(group, head_dim, &fast_scores, &fast_values);
+#else
+  const bool fast = false;
+#endif
+#ifdef EMBER_AVX512
+  if (fast) {
+    fast_scores(qb, kc, rows.data(), len, scale, scores);
+  } else
+#endif
+  {
+    for (int64_t t = 0; t < len; ++t) {
+      const float* k = kc + rows[t];
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qb + g * head_dim;
+        float dot = 0.f;
+        for (int64_t j = 0; j < head_dim; ++j) dot += qg[j] * k[j];
+        scores[g * len + t] = dot * scale;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * len;
+    float mx = row[0];
+    for (int64_t t = 1; t < len; ++t) mx = std::max(mx, row[t]);
+    float sum = 0.f;
+    int64_t t = 0;
+#ifdef EMBER_AVX512
+    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps();
+    for (; t + 16 <= len; t += 16) {
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), vmx));
+      _mm512_storeu_ps(row + t, e);
+      vsum = _mm512_add_ps(vsum, e);
+    }
+    if (t < len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), vmx));
+      _mm512_mask_storeu_ps(row + t, tail, e);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+      t = len;
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+#endif
+    for (; t < len; ++t) {
+      row[t] = std::exp(row[t] - mx);
+      sum += row[t];
+    }
+    m_out[g] = mx;
+    l_out[g] = sum;
+  }
+#ifdef EMBER_AVX512
+  if (fast) {
+    fast_values(vc, rows.data(), len, scores, acc);
+    return;
+  }
+#endif
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t t = 0; t < len; ++t) {
+    if (t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], head_dim);
+    const float* v = vc + rows[t];
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * len + t];
+      float* a = acc + g * head_dim;
+      for (int64_t j = 0; j < head_dim; ++j) a[j] += p * v[j];
+    }
+  }
+}
+
+}  // namespace
+
 void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens,
                             int64_t block_size, double scale) {
   check_contiguous(q, "q");
   check_contiguous(out, "out");
   check_contiguous(block_tables, "block_tables");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
+              "paged_attention_decode: q and the KV cache must be float32");
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
@@ -181,56 +384,62 @@ void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   const int64_t kv_width = num_kv_heads * head_dim;
+
+  // Spans: enough tasks for every thread even with one sequence, none shorter
+  // than a block, none longer than ATTENTION_SPAN.
+  const int64_t want_tasks = 4 * at::get_num_threads();
+  int64_t max_ctx = 1;
+  for (int64_t b = 0; b < batch; ++b) max_ctx = std::max(max_ctx, lens[b]);
+  const int64_t splits = std::max<int64_t>(1, (want_tasks + batch * num_kv_heads - 1) / (batch * num_kv_heads));
+  int64_t span_len = (max_ctx + splits - 1) / splits;
+  span_len = std::min(ATTENTION_SPAN, ((span_len + block_size - 1) / block_size) * block_size);
+  std::vector<AttentionSpan> spans;
+  std::vector<int64_t> first_span(batch * num_kv_heads + 1);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      first_span[b * num_kv_heads + h] = static_cast<int64_t>(spans.size());
+      for (int64_t t = 0; t < lens[b]; t += span_len) spans.push_back({b, h, t, std::min(lens[b], t + span_len)});
+    }
+  }
+  first_span[batch * num_kv_heads] = static_cast<int64_t>(spans.size());
+  const int64_t n_spans = static_cast<int64_t>(spans.size());
+  // Per span: acc (group, Hd), then m (group), then l (group).
+  const int64_t stride = group * (head_dim + 2);
+  std::vector<float> partial(n_spans * stride);
+
+  at::parallel_for(0, n_spans, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * span_len);
+    for (int64_t i = begin; i < end; ++i) {
+      const AttentionSpan& span = spans[i];
+      float* part = partial.data() + i * stride;
+      attend_span(qp + (span.seq * num_heads + span.kv_head * group) * head_dim, kc, vc, tables + span.seq * max_blocks, span,
+                  group, head_dim, kv_width, block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+    }
+  });
+
+  // Merge the spans of each (sequence, kv head).
   with_ptr(out, [&](auto* op) {
-    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
-      std::vector<float> acc(group * head_dim);
-      for (int64_t task = begin; task < end; ++task) {
-        const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-        const int64_t ctx = lens[b];
-        scores.assign(group * ctx, 0.f);
-        const float* qb = qp + (b * num_heads + kvh * group) * head_dim;
-        const int64_t* table = tables + b * max_blocks;
-        for (int64_t t = 0; t < ctx; ++t) {
-          const int64_t s = table[t / block_size] * block_size + t % block_size;
-          const float* k = kc + s * kv_width + kvh * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qb + g * head_dim;
-            float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * k[d];
-            scores[g * ctx + t] = dot * sc;
-          }
+    for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
+      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+      const int64_t s0 = first_span[task], s1 = first_span[task + 1];
+      for (int64_t g = 0; g < group; ++g) {
+        float mx = -INFINITY;
+        for (int64_t i = s0; i < s1; ++i) mx = std::max(mx, partial[i * stride + group * head_dim + g]);
+        float total = 0.f;
+        float merged[512];
+        TORCH_CHECK(head_dim <= 512, "paged_attention_decode: head_dim above 512");
+        std::fill(merged, merged + head_dim, 0.f);
+        for (int64_t i = s0; i < s1; ++i) {
+          const float* part = partial.data() + i * stride;
+          const float w = std::exp(part[group * head_dim + g] - mx);
+          total += w * part[group * (head_dim + 1) + g];
+          for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * part[g * head_dim + d];
         }
-        std::vector<float> norm(group);
-        for (int64_t g = 0; g < group; ++g) {
-          float* row = scores.data() + g * ctx;
-          float mx = row[0];
-          for (int64_t t = 1; t < ctx; ++t) mx = std::max(mx, row[t]);
-          float sum = 0.f;
-          for (int64_t t = 0; t < ctx; ++t) {
-            row[t] = std::exp(row[t] - mx);
-            sum += row[t];
-          }
-          norm[g] = 1.f / sum;
-        }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t t = 0; t < ctx; ++t) {
-          const int64_t s = table[t / block_size] * block_size + t % block_size;
-          const float* v = vc + s * kv_width + kvh * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * ctx + t];
-            float* a = acc.data() + g * head_dim;
-#pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
-          }
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t head = kvh * group + g;
-          for (int64_t d = 0; d < head_dim; ++d) store(op + (b * num_heads + head) * head_dim, d, acc[g * head_dim + d] * norm[g]);
-        }
+        const int64_t head = kvh * group + g;
+        const float inv = s1 > s0 ? 1.f / total : 0.f;
+        for (int64_t d = 0; d < head_dim; ++d) store(op + (b * num_heads + head) * head_dim, d, merged[d] * inv);
       }
-    });
+    }
   });
 }
 
@@ -278,6 +487,21 @@ inline void dot_i8_rows(const int8_t* w, const float* x, int64_t k, float scale,
   __m512 acc[ROWS];
   for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
+  if constexpr (ROWS == 1) {
+    // One row has one accumulator chain: four independent ones keep the FMA
+    // latency (4 cycles) off the critical path (measured: decode's GEMVs were
+    // latency-bound, not bandwidth-bound). The sum order differs from the
+    // multi-row path only in float rounding.
+    __m512 a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (; i + 64 <= k; i += 64) {
+      const __m128i* wp = reinterpret_cast<const __m128i*>(w + i);
+      acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wp))), _mm512_loadu_ps(x + i), acc[0]);
+      a1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wp + 1))), _mm512_loadu_ps(x + i + 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wp + 2))), _mm512_loadu_ps(x + i + 32), a2);
+      a3 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(wp + 3))), _mm512_loadu_ps(x + i + 48), a3);
+    }
+    acc[0] = _mm512_add_ps(_mm512_add_ps(acc[0], a1), _mm512_add_ps(a2, a3));
+  }
   for (; i + 16 <= k; i += 16) {
     const __m512 wv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + i))));
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * k + i), acc[r]);
