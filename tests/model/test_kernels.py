@@ -129,3 +129,20 @@ def test_compiled_decode_loop_matches_per_layer_path(loaded_model, quantization)
     a, b = run_all(compiled), run_all(layered)
     for i in range(len(prompts)):
         assert final_tokens(a[f"p{i}"]) == final_tokens(b[f"p{i}"])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21])
+def test_int8_gemv_matches_dequantized_matmul(k, rows):
+    """One row (four accumulator chains), 2..8 rows (float32), 9+ rows (bfloat16 dot products where the CPU has them)."""
+    from ember.model.quant import quantize_per_channel_int8
+
+    torch.manual_seed(rows)
+    weight = torch.randn(200, 576) * 0.05
+    q, scale = quantize_per_channel_int8(weight)
+    x = torch.randn(rows, 576)
+    ref = x @ (q.float() * scale[:, None]).t()
+    y = k.gemv_int8(x, q, scale)
+    # Beyond 8 rows x is rounded to bfloat16 (8 significant bits): ~0.3 % per product, averaging out in the sum.
+    tolerance = 1e-5 if rows <= 8 else 1e-2
+    assert ((y - ref).norm() / ref.norm()).item() < tolerance
+    torch.testing.assert_close(y, ref, rtol=0, atol=tolerance * ref.abs().max().item() * 4)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modes", default="float32:int8", help="comma-separated dtype:quantization pairs to measure")
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=3, help="decode and prefill runs; the median is reported")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--aggregate-tokens", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=0, help="max_num_batched_tokens (0: the engine default)")
@@ -101,17 +103,24 @@ def measure_engine(args: argparse.Namespace, dtype: str, quantization: str) -> E
     engine.add_request("warm", tok.encode_chat([{"role": "user", "content": "Hello"}]), greedy(16))
     _drain(engine)
 
-    # Single stream: time per decode step after the first token.
-    engine.add_request("single", tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]), greedy(args.decode_tokens))
-    stamps = _drain(engine)["single"]
-    figures.decode_tps = (len(stamps) - 1) / (stamps[-1] - stamps[0])
+    # Single stream: time per decode step after the first token. The median of
+    # a few runs: on a shared machine one run can land on a noisy stretch.
+    decode_runs = []
+    for run in range(args.repeats):
+        engine.add_request(f"single-{run}", tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]), greedy(args.decode_tokens))
+        stamps = _drain(engine)[f"single-{run}"]
+        decode_runs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    figures.decode_tps = statistics.median(decode_runs)
 
-    # Prefill: unique tokens, so no cache can help.
-    prompt = [(i * 7919 + 13) % (engine.model_config.vocab_size - 100) + 50 for i in range(args.prefill_tokens)]
-    t0 = time.perf_counter()
-    engine.add_request("prefill", prompt, greedy(1))
-    _drain(engine)
-    figures.prefill_tps = args.prefill_tokens / (time.perf_counter() - t0)
+    # Prefill: unique tokens in every run, so no cache can help.
+    prefill_runs = []
+    for run in range(args.repeats):
+        prompt = [(i * 7919 + 13 + 104729 * run) % (engine.model_config.vocab_size - 100) + 50 for i in range(args.prefill_tokens)]
+        t0 = time.perf_counter()
+        engine.add_request(f"prefill-{run}", prompt, greedy(1))
+        _drain(engine)
+        prefill_runs.append(args.prefill_tokens / (time.perf_counter() - t0))
+    figures.prefill_tps = statistics.median(prefill_runs)
 
     # Aggregate: all sequences decoding together.
     for i in range(args.concurrency):
