@@ -563,6 +563,24 @@ inline void dot_i8_bf16_rows(const int8_t* w, const BF16* xb, int64_t k, float s
 }
 #endif
 
+// Every weight row n (split over the threads) against the M rows of x in
+// blocks of MAX_BLOCK, then 8, 4 and 1 rows: dot(rows, n, x block, out block)
+// with rows a std::integral_constant, so each block size is its own kernel.
+template <int MAX_BLOCK, typename X, typename Dot>
+void for_row_blocks(int64_t n, int64_t m, int64_t k, const X* x, float* y, Dot dot) {
+  at::parallel_for(0, n, MAX_BLOCK > 8 ? 32 : 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      int64_t i = 0;
+      if constexpr (MAX_BLOCK > 8) {
+        for (; i + MAX_BLOCK <= m; i += MAX_BLOCK) dot(std::integral_constant<int, MAX_BLOCK>{}, row, x + i * k, y + i * n + row);
+      }
+      for (; i + 8 <= m; i += 8) dot(std::integral_constant<int, 8>{}, row, x + i * k, y + i * n + row);
+      for (; i + 4 <= m; i += 4) dot(std::integral_constant<int, 4>{}, row, x + i * k, y + i * n + row);
+      for (; i < m; ++i) dot(std::integral_constant<int, 1>{}, row, x + i * k, y + i * n + row);
+    }
+  });
+}
+
 }  // namespace
 
 // y (M, N) float32 = x (M, K) @ W^T for int8 weights with per-row scales.
@@ -580,28 +598,14 @@ Tensor gemv_int8(Tensor x, Tensor w, Tensor s) {
   if (m > 8 && k % 32 == 0) {
     // Many rows: x in bfloat16, 16 rows per pass over the weights (see dot_i8_bf16_rows).
     Tensor xb = xf.to(at::kBFloat16).contiguous();
-    const BF16* xbp = xb.data_ptr<BF16>();
-    at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
-      for (int64_t row = begin; row < end; ++row) {
-        const int8_t* wr = wp + row * k;
-        int64_t i = 0;
-        for (; i + 16 <= m; i += 16) dot_i8_bf16_rows<16>(wr, xbp + i * k, k, sp[row], yp + i * n + row, n);
-        for (; i + 8 <= m; i += 8) dot_i8_bf16_rows<8>(wr, xbp + i * k, k, sp[row], yp + i * n + row, n);
-        for (; i + 4 <= m; i += 4) dot_i8_bf16_rows<4>(wr, xbp + i * k, k, sp[row], yp + i * n + row, n);
-        for (; i < m; ++i) dot_i8_bf16_rows<1>(wr, xbp + i * k, k, sp[row], yp + i * n + row, n);
-      }
+    for_row_blocks<16>(n, m, k, xb.data_ptr<BF16>(), yp, [&](auto rows, int64_t row, const BF16* x, float* out) {
+      dot_i8_bf16_rows<decltype(rows)::value>(wp + row * k, x, k, sp[row], out, n);
     });
     return y;
   }
 #endif
-  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      const int8_t* wr = wp + row * k;
-      int64_t i = 0;
-      for (; i + 8 <= m; i += 8) dot_i8_rows<8>(wr, xp + i * k, k, sp[row], yp + i * n + row, n);
-      for (; i + 4 <= m; i += 4) dot_i8_rows<4>(wr, xp + i * k, k, sp[row], yp + i * n + row, n);
-      for (; i < m; ++i) dot_i8_rows<1>(wr, xp + i * k, k, sp[row], yp + i * n + row, n);
-    }
+  for_row_blocks<8>(n, m, k, xp, yp, [&](auto rows, int64_t row, const float* x, float* out) {
+    dot_i8_rows<decltype(rows)::value>(wp + row * k, x, k, sp[row], out, n);
   });
   return y;
 }
