@@ -57,12 +57,20 @@ def test_rope_store_matches_complex_rotation(k, with_bias, qkv_dtype):
     torch.testing.assert_close(v_cache[slots], full[:, (h + kv) * hd :].reshape(t, kv, hd))
 
 
+SHAPES = {  # heads, kv heads, head_dim, block size
+    "smollm": (9, 3, 64, 16),
+    "wide-group": (16, 2, 128, 16),  # head_dim 128, 8 query heads per kv head
+    "generic": (4, 2, 48, 32),  # no register-blocked kernel for head_dim 48: the plain loops
+}
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("context_lens", [[1, 17, 100, 33], [613]], ids=["batch", "one-long"])
-def test_paged_decode_attention_matches_sdpa(k, out_dtype, context_lens):
-    """A long single context is split into spans over the threads and merged; short ones are one span each."""
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_paged_decode_attention_matches_sdpa(k, out_dtype, context_lens, shape):
+    """Contexts are cut into 64-token spans, computed over the threads and merged; a span may end mid-block."""
     torch.manual_seed(0)
-    h, kv, hd, bs = 9, 3, 64, 16
+    h, kv, hd, bs = SHAPES[shape]
     num_blocks = 60
     k_cache, v_cache = torch.randn(num_blocks * bs, kv, hd), torch.randn(num_blocks * bs, kv, hd)
     lens = torch.tensor(context_lens)
@@ -76,18 +84,41 @@ def test_paged_decode_attention_matches_sdpa(k, out_dtype, context_lens):
         used += nb
     q = torch.randn(batch, h, hd)
     out = torch.empty(batch, h * hd, dtype=out_dtype)
-    k.paged_attention_decode(out, q, k_cache, v_cache, tables, lens, bs, 0.125)
+    scale = hd**-0.5
+    k.paged_attention_decode(out, q, k_cache, v_cache, tables, lens, bs, scale)
     for b, n in enumerate(lens.tolist()):
         slots = (tables[b].unsqueeze(-1) * bs + torch.arange(bs)).flatten()[:n]
-        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), scale=0.125, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), scale=scale, enable_gqa=True)
         torch.testing.assert_close(out[b].float(), ref.reshape(-1).to(out_dtype).float(), rtol=2e-2 if out_dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
 
-def test_silu_mul(k):
-    gu = torch.randn(3, 2 * 40)
-    out = torch.empty(3, 40, dtype=torch.bfloat16)
+def test_paged_decode_attention_does_not_depend_on_the_batch(k):
+    """A sequence's output is the same alone and beside others (fixed spans, no batch-sized split)."""
+    torch.manual_seed(1)
+    h, kv, hd, bs = SHAPES["smollm"]
+    k_cache, v_cache = torch.randn(64 * bs, kv, hd), torch.randn(64 * bs, kv, hd)
+    tables = torch.arange(1, 61).reshape(3, 20)
+    lens = torch.tensor([300, 41, 250])
+    q = torch.randn(3, h, hd)
+    together = torch.empty(3, h * hd)
+    k.paged_attention_decode(together, q, k_cache, v_cache, tables, lens, bs, 0.125)
+    alone = torch.empty(1, h * hd)
+    k.paged_attention_decode(alone, q[:1], k_cache, v_cache, tables[:1], lens[:1], bs, 0.125)
+    assert torch.equal(alone[0], together[0])
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(k, out_dtype):
+    """Vectorised exp in float32 (17 rows, 1,540 features: several pieces and a tail), a scalar one for bfloat16."""
+    torch.manual_seed(0)
+    f = 1540
+    gu = torch.randn(17, 2 * f) * 6
+    gu[0, :3] = torch.tensor([-100.0, 100.0, float("nan")])
+    out = torch.empty(17, f, dtype=out_dtype)
     k.silu_mul(out, gu)
-    torch.testing.assert_close(out.float(), (F.silu(gu[:, :40]) * gu[:, 40:]).to(torch.bfloat16).float(), rtol=1e-2, atol=1e-3)
+    ref = (F.silu(gu[:, :f]) * gu[:, f:]).to(out_dtype).float()
+    tolerance = dict(rtol=1e-5, atol=1e-6) if out_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-3)
+    torch.testing.assert_close(out.float(), ref, equal_nan=True, **tolerance)
 
 
 def test_model_with_and_without_kernels_agree(loaded_model):
@@ -131,18 +162,19 @@ def test_compiled_decode_loop_matches_per_layer_path(loaded_model, quantization)
         assert final_tokens(a[f"p{i}"]) == final_tokens(b[f"p{i}"])
 
 
+@pytest.mark.parametrize("in_features", [576, 600])  # 600: the 16-wide and scalar tails, and no bfloat16 path
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21])
-def test_int8_gemv_matches_dequantized_matmul(k, rows):
+def test_int8_gemv_matches_dequantized_matmul(k, rows, in_features):
     """One row (four accumulator chains), 2..8 rows (float32), 9+ rows (bfloat16 dot products where the CPU has them)."""
     from ember.model.quant import quantize_per_channel_int8
 
     torch.manual_seed(rows)
-    weight = torch.randn(200, 576) * 0.05
+    weight = torch.randn(200, in_features) * 0.05
     q, scale = quantize_per_channel_int8(weight)
-    x = torch.randn(rows, 576)
+    x = torch.randn(rows, in_features)
     ref = x @ (q.float() * scale[:, None]).t()
     y = k.gemv_int8(x, q, scale)
     # Beyond 8 rows x is rounded to bfloat16 (8 significant bits): ~0.3 % per product, averaging out in the sum.
-    tolerance = 1e-5 if rows <= 8 else 1e-2
+    tolerance = 1e-5 if rows <= 8 or in_features % 32 else 1e-2
     assert ((y - ref).norm() / ref.norm()).item() < tolerance
     torch.testing.assert_close(y, ref, rtol=0, atol=tolerance * ref.abs().max().item() * 4)

@@ -173,15 +173,19 @@ Tensor rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor s
 // are merged exactly afterwards (rescaled by exp(max_span - max_all)).
 namespace {
 
-// Context tokens per task at most; spans are whole KV blocks.
-constexpr int64_t ATTENTION_SPAN = 256;
+// Context tokens per span (rounded up to whole KV blocks). Fixed, so that a
+// sequence's attention is computed and merged the same way whatever else is in
+// the batch and however many threads there are: batch-invariant, down to
+// rounding. 64 tokens give a lone 200-token decode 12 tasks for two threads.
+constexpr int64_t ATTENTION_SPAN = 64;
 
 #ifdef EMBER_AVX512
 // exp(x) in float32: 2^(x log2 e) as 2^n * p(f), p a degree-6 polynomial of
-// 2^f on [-0.5, 0.5]; relative error ~2e-7, like std::exp. Below -87 it
-// returns ~0; above 88.7 it overflows to inf, as std::exp does.
+// 2^f on [-0.5, 0.5]; relative error ~2e-7 for |x| < 10, up to ~5e-6 near
+// |x| = 87 (ln 2 is not split), plenty for softmax and SiLU. Below -87 it
+// returns ~0; above 88.7 it overflows to inf, as std::exp does; NaN stays NaN.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);  // operands in this order: a NaN passes through
   const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
   const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(y, n);
@@ -386,14 +390,9 @@ void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   const float sc = static_cast<float>(scale);
   const int64_t kv_width = num_kv_heads * head_dim;
 
-  // Spans: enough tasks for every thread even with one sequence, none shorter
-  // than a block, none longer than ATTENTION_SPAN.
-  const int64_t want_tasks = 4 * at::get_num_threads();
-  int64_t max_ctx = 1;
-  for (int64_t b = 0; b < batch; ++b) max_ctx = std::max(max_ctx, lens[b]);
-  const int64_t splits = std::max<int64_t>(1, (want_tasks + batch * num_kv_heads - 1) / (batch * num_kv_heads));
-  int64_t span_len = (max_ctx + splits - 1) / splits;
-  span_len = std::min(ATTENTION_SPAN, ((span_len + block_size - 1) / block_size) * block_size);
+  TORCH_CHECK(block_size > 0 && head_dim <= 512, "paged_attention_decode: block_size must be positive, head_dim at most 512");
+  if (batch == 0 || num_kv_heads == 0) return;
+  const int64_t span_len = ((ATTENTION_SPAN + block_size - 1) / block_size) * block_size;
   std::vector<AttentionSpan> spans;
   std::vector<int64_t> first_span(batch * num_kv_heads + 1);
   for (int64_t b = 0; b < batch; ++b) {
@@ -427,8 +426,7 @@ void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
         float mx = -INFINITY;
         for (int64_t i = s0; i < s1; ++i) mx = std::max(mx, partial[i * stride + group * head_dim + g]);
         float total = 0.f;
-        float merged[512];
-        TORCH_CHECK(head_dim <= 512, "paged_attention_decode: head_dim above 512");
+        float merged[512];  // head_dim <= 512, checked above
         std::fill(merged, merged + head_dim, 0.f);
         for (int64_t i = s0; i < s1; ++i) {
           const float* part = partial.data() + i * stride;
@@ -686,6 +684,13 @@ Tensor decode_layers(Tensor x, std::vector<Tensor> tensors, std::vector<int64_t>
 // refusing and streaming meanwhile. Arguments are converted before the release.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using no_gil = py::call_guard<py::gil_scoped_release>;
+  // Rows up to which gemv_int8 beats the bfloat16 GEMM on a dense copy (measured,
+  // see model/quant.py): 16 with AVX512-BF16 dot products, 8 with float32 FMAs.
+#ifdef EMBER_BF16_DOT
+  m.attr("gemv_max_rows") = 16;
+#else
+  m.attr("gemv_max_rows") = 8;
+#endif
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("rmsnorm", &rmsnorm, no_gil());

@@ -26,13 +26,19 @@ from torch import nn
 
 from ember.kernels import cpu as cpu_kernels
 
-# Rows at or below which the int8 weight-only path reads int8 weights directly.
-# Measured on the 2-core AVX-512 machine, all 30 layers' linears with cold
-# weights: Ember's kernel (float32 up to 8 rows, bfloat16 dot products with
-# AVX512-BF16 beyond) takes 12.6 ms at 9 rows and 20.9 ms at 16 against 20.6
-# and 24.5 ms for the bf16 GEMM on the dense copy; they tie at 24 rows.
-# torch's int8pack (no compiled kernels) beats the GEMM up to 4 rows.
-GEMV_MAX_ROWS = 16
+# Rows at or below which the int8 weight-only path reads int8 weights directly:
+# the kernels' own ``gemv_max_rows``. Measured on the 2-core AVX-512 machine,
+# all 30 layers' linears with cold weights: Ember's kernel (float32 up to 8
+# rows, bfloat16 dot products beyond where the CPU has AVX512-BF16) takes
+# 12.6 ms at 9 rows and 20.9 ms at 16 against 20.6 and 24.5 ms for the bf16
+# GEMM on the dense copy; they tie at 24 rows. Without the bfloat16 dots the
+# float32 kernel wins up to 8 rows only. torch's int8pack (no compiled
+# kernels) beats the GEMM up to 4 rows.
+def gemv_max_rows(kernels: object | None) -> int:
+    """How many rows Ember's int8 GEMV should take; 0 without the kernels."""
+    return int(getattr(kernels, "gemv_max_rows", 8)) if kernels is not None else 0
+
+
 INT8_DIRECT_MAX_ROWS = 4
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
@@ -90,6 +96,7 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scale = quantize_per_channel_int8(weight)
         self.kernels = cpu_kernels.load() if device.type == "cpu" else None
+        self.gemv_max_rows = gemv_max_rows(self.kernels)
         self.direct = device.type == "cpu"
         self.compute_dtype = torch.bfloat16 if self.direct else dtype
         self.register_buffer("qweight", q.to(device))
@@ -101,7 +108,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.kernels is not None and rows <= GEMV_MAX_ROWS:
+        if rows <= self.gemv_max_rows:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale)
         elif self.direct and rows <= INT8_DIRECT_MAX_ROWS:
             y = torch._weight_int8pack_mm(x.to(self.compute_dtype), self.qweight, self.scale_compute)
