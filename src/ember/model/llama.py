@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from ember.config import ModelConfig
 from ember.kernels import cpu as cpu_kernels
-from ember.model.quant import gemv_max_rows, linear_parts, make_linear
+from ember.model.quant import GEMV_MAX_ROWS, linear_parts, make_linear
 
 
 @dataclass
@@ -325,7 +325,7 @@ class LlamaModel(nn.Module):
             return self.kernels.decode_layers(
                 x, tensors, kinds, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.rope_cos, self.rope_sin,
                 positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                c.num_heads, c.num_kv_heads, c.head_dim, meta.block_size, c.rms_norm_eps, gemv_max_rows(self.kernels), compute_bf16,
+                c.num_heads, c.num_kv_heads, c.head_dim, meta.block_size, c.rms_norm_eps, GEMV_MAX_ROWS, compute_bf16,
             )
         if self.kernels is None:
             meta.rope_freqs = self.rope[positions].unsqueeze(1)  # (T, 1, Hd/2)

@@ -26,19 +26,14 @@ from torch import nn
 
 from ember.kernels import cpu as cpu_kernels
 
-# Rows at or below which the int8 weight-only path reads int8 weights directly:
-# the kernels' own ``gemv_max_rows``. Measured on the 2-core AVX-512 machine,
-# all 30 layers' linears with cold weights: Ember's kernel (float32 up to 8
-# rows, bfloat16 dot products beyond where the CPU has AVX512-BF16) takes
-# 12.6 ms at 9 rows and 20.9 ms at 16 against 20.6 and 24.5 ms for the bf16
-# GEMM on the dense copy; they tie at 24 rows. Without the bfloat16 dots the
-# float32 kernel wins up to 8 rows only. torch's int8pack (no compiled
-# kernels) beats the GEMM up to 4 rows.
-def gemv_max_rows(kernels: object | None) -> int:
-    """How many rows Ember's int8 GEMV should take; 0 without the kernels."""
-    return int(getattr(kernels, "gemv_max_rows", 8)) if kernels is not None else 0
-
-
+# Rows at or below which the int8 weight-only path reads int8 weights directly
+# (Ember's float32 GEMV; measured faster than any bf16 GEMM up to 8 rows on the
+# 2-core AVX-512 machine). From there up to the kernels' ``packed_max_rows``
+# (64 where they were built with AVX512-BF16, else 0) a bfloat16 copy packed
+# for vdpbf16ps is used: all 30 layers' linears at 16 rows take 15.8 ms that
+# way against 24.2 ms for oneDNN's bf16 GEMM on the row-major copy. torch's
+# int8pack (no compiled kernels) beats the GEMM up to 4 rows.
+GEMV_MAX_ROWS = 8
 INT8_DIRECT_MAX_ROWS = 4
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
@@ -83,12 +78,25 @@ def quantize_per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch
     return q, scale
 
 
+def pack_bf16_for_kernels(dense: torch.Tensor) -> torch.Tensor:
+    """(N, K) bfloat16 -> (N / 16, K / 2, 16, 2): per input pair, that pair for 16 outputs side by side.
+
+    The layout of ``gemm_bf16_packed`` (kernels/cpu_kernels.cpp): one vector
+    load gives vdpbf16ps an input pair for 16 outputs.
+    """
+    n, k = dense.shape
+    return dense.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
 class Int8Linear(nn.Module):
     """Weight-only int8 with per-output-channel scales; see the module docstring.
 
-    On CPU a few rows (decode) go through Ember's int8 GEMV kernel
-    (kernels/cpu_kernels.cpp: float32 activations, ~28 GB/s of weights) or, without
-    it, torch's int8pack; many rows through the bfloat16 GEMM on a dense copy.
+    On CPU up to 8 rows (decode) go through Ember's int8 GEMV kernel
+    (kernels/cpu_kernels.cpp: float32 activations, ~31 GB/s of weights) or,
+    without it, torch's int8pack; 9 to 64 rows (batched decode) through Ember's
+    bfloat16 kernel on a packed copy where the CPU has AVX512-BF16; more rows
+    (prefill) through the bfloat16 GEMM on a dense copy. Both copies hold the
+    same values, the int8 weights times their scales rounded to bfloat16.
     ``input_dtype`` tells producers which dtype to emit so no cast is needed.
     """
 
@@ -96,20 +104,25 @@ class Int8Linear(nn.Module):
         super().__init__()
         q, scale = quantize_per_channel_int8(weight)
         self.kernels = cpu_kernels.load() if device.type == "cpu" else None
-        self.gemv_max_rows = gemv_max_rows(self.kernels)
         self.direct = device.type == "cpu"
         self.compute_dtype = torch.bfloat16 if self.direct else dtype
         self.register_buffer("qweight", q.to(device))
         self.register_buffer("scale", scale.to(device=device, dtype=torch.float32))
         self.register_buffer("scale_compute", scale.to(device=device, dtype=self.compute_dtype))
         self.register_buffer("dense", (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
+        out_f, in_f = weight.shape
+        packable = self.kernels is not None and self.compute_dtype == torch.bfloat16 and out_f % 16 == 0 and in_f % 2 == 0
+        self.packed_max_rows = int(getattr(self.kernels, "packed_max_rows", 0)) if packable else 0
+        self.register_buffer("packed", pack_bf16_for_kernels(self.dense) if self.packed_max_rows else None)
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
         self.input_dtype = torch.float32 if self.kernels is not None else self.compute_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if rows <= self.gemv_max_rows:
+        if self.kernels is not None and rows <= GEMV_MAX_ROWS:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale)
+        elif rows <= self.packed_max_rows:
+            y = self.kernels.gemm_bf16_packed(x, self.packed)
         elif self.direct and rows <= INT8_DIRECT_MAX_ROWS:
             y = torch._weight_int8pack_mm(x.to(self.compute_dtype), self.qweight, self.scale_compute)
         else:
@@ -158,18 +171,18 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def linear_parts(layer: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(kind, packed weight, scales, dense copy) as the C++ decode loop takes them; None if it has no twin.
+def linear_parts(layer: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(kind, quantized weight, scales, dense copy, packed bf16 copy) as the C++ decode loop takes them; None if it has no twin.
 
     Kinds: 0 dense, 1 int8 weight-only, 2 int4 groups (see kernels/cpu_kernels.cpp).
     """
     empty = torch.empty(0)
     if isinstance(layer, DenseLinear):
-        return 0, layer.weight, empty, empty
+        return 0, layer.weight, empty, empty, empty
     if isinstance(layer, Int8Linear) and layer.kernels is not None:
-        return 1, layer.qweight, layer.scale, layer.dense
+        return 1, layer.qweight, layer.scale, layer.dense, empty if layer.packed is None else layer.packed
     if isinstance(layer, Int4Linear):
-        return 2, layer.packed, layer.scale_zero, layer.dense
+        return 2, layer.packed, layer.scale_zero, layer.dense, empty
     return None
 
 
