@@ -151,32 +151,34 @@ def _series(groups: Sequence[Group], x_key: str, line_key: str, y: Callable[[Gro
     return {key: sorted(points) for key, points in lines.items()}
 
 
-def plot_throughput_vs_concurrency(result: BenchResult, path: Path) -> None:
-    """Output tokens/s and requests/s against concurrency, one line per max_tokens."""
-    fig, (tok_ax, req_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, y, name in ((tok_ax, lambda g: g.summary.output_throughput, "output tokens/s"),
-                        (req_ax, lambda g: g.summary.request_throughput, "requests/s")):
-        for max_tokens, points in _series(result.groups, "concurrency", "max_tokens", y).items():
-            ax.plot(*zip(*points), marker="o", label=f"max_tokens {max_tokens}")
-        ax.set_xticks(sorted({g.params["concurrency"] for g in result.groups if "concurrency" in g.params}))
-        ax.set(title=f"{name} vs concurrency", xlabel="concurrency", ylabel=name)
+def _two_panels(result: BenchResult, path: Path, x_key: str, line_key: str,
+                panels: tuple[tuple[Callable[[Group], float | None], str], ...]) -> None:
+    """Side by side, one panel per (y, name): y against ``x_key``, one line per ``line_key`` value."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(11, 4.2))
+    for ax, (y, name) in zip(axes, panels):
+        for line, points in _series(result.groups, x_key, line_key, y).items():
+            ax.plot(*zip(*points), marker="o", label=f"{line_key} {line}")
+        ax.set_xticks(sorted({g.params[x_key] for g in result.groups if x_key in g.params}))
+        ax.set(title=f"{name} vs {x_key}", xlabel=x_key, ylabel=name)
         ax.grid(alpha=0.3)
         _legend(ax)
     save_figure(fig, path)
+
+
+def plot_throughput_vs_concurrency(result: BenchResult, path: Path) -> None:
+    """Output tokens/s and requests/s against concurrency, one line per max_tokens."""
+    _two_panels(result, path, "concurrency", "max_tokens", (
+        (lambda g: g.summary.output_throughput, "output tokens/s"),
+        (lambda g: g.summary.request_throughput, "requests/s"),
+    ))
 
 
 def plot_latency_vs_max_tokens(result: BenchResult, path: Path) -> None:
     """Mean E2E latency and TTFT p50 against max_tokens, one line per concurrency."""
-    fig, (e2e_ax, ttft_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for ax, y, name in ((e2e_ax, lambda g: _ms(g.summary.e2e.mean), "mean E2E latency (ms)"),
-                        (ttft_ax, lambda g: _ms(g.summary.ttft.p50), "TTFT p50 (ms)")):
-        for concurrency, points in _series(result.groups, "max_tokens", "concurrency", y).items():
-            ax.plot(*zip(*points), marker="o", label=f"concurrency {concurrency}")
-        ax.set_xticks(sorted({g.params["max_tokens"] for g in result.groups if "max_tokens" in g.params}))
-        ax.set(title=f"{name} vs max_tokens", xlabel="max_tokens", ylabel=name)
-        ax.grid(alpha=0.3)
-        _legend(ax)
-    save_figure(fig, path)
+    _two_panels(result, path, "max_tokens", "concurrency", (
+        (lambda g: _ms(g.summary.e2e.mean), "mean E2E latency (ms)"),
+        (lambda g: _ms(g.summary.ttft.p50), "TTFT p50 (ms)"),
+    ))
 
 
 def plot_qps_latency_vs_max_tokens(result: BenchResult, path: Path) -> None:
