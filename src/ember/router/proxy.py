@@ -289,6 +289,7 @@ class Proxy:
         # failover per request without access to the router's metrics.
         headers.append((UPSTREAM_HEADER, opened.replica.url.encode("latin-1")))
         clock = self._clock
+        stall_s = self._config.stall_timeout_s
         tail = b""
         try:
             await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -307,11 +308,27 @@ class Proxy:
                     verdict = Verdict.NEUTRAL
                     logger.info("request %s: client went away, upstream cancelled", request_id.decode("latin-1"))
                     return
+                left_s = deadline - clock()
                 try:
-                    chunk = await opened.chunks.__anext__()
+                    if left_s >= stall_s:
+                        # The usual case: the read's own stall timeout comes first.
+                        chunk = await opened.chunks.__anext__()
+                    else:
+                        # The deadline comes before a stall would be noticed: wait no longer than it.
+                        async with asyncio.timeout(max(left_s, 0.0)):
+                            chunk = await opened.chunks.__anext__()
                 except StopAsyncIteration:
                     break
+                except TimeoutError:
+                    verdict = Verdict.NEUTRAL  # a slow answer is no verdict on the replica's health
+                    await self._end_broken(send, is_sse, "The request deadline passed.", "deadline_exceeded")
+                    return
                 except httpx.TransportError as exc:
+                    if isinstance(exc, httpx.TimeoutException) and clock() >= deadline:
+                        # The read timeout was the deadline (see _attempt), not a stall.
+                        verdict = Verdict.NEUTRAL
+                        await self._end_broken(send, is_sse, "The request deadline passed.", "deadline_exceeded")
+                        return
                     verdict = Verdict.FAILURE
                     kind = "stream_stalled" if isinstance(exc, httpx.TimeoutException) else "stream_broken"
                     self._metrics.upstream_error(opened.replica.url, kind)
