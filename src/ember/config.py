@@ -85,6 +85,10 @@ class SessionConfig:
     warm_disk_bytes: int = 8 * 1024 * 1024 * 1024
     # How warm KV is stored: "int8" (~3.8x smaller), "bf16" (2x), "exact".
     warm_format: str = "int8"
+    # With a session_dir: seconds a hot conversation must be idle before a copy of
+    # its KV is written there (it stays hot), so that a replica killed without
+    # warning leaves it warm rather than cold. Negative: never.
+    write_behind_s: float = 1.0
     enabled: bool = True
 
 

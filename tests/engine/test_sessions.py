@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 
 import pytest
@@ -231,3 +232,93 @@ def test_sessions_never_share_blocks_past_their_common_prefix(loaded_model):
     assert outs[-1].num_cached_tokens <= common_tokens
     shared_ids = {b.block_id for b in alice.hot_blocks} & {b.block_id for b in bob.hot_blocks}
     assert len(shared_ids) == len(shared)
+
+
+@pytest.mark.timeout(300)
+def test_write_behind_keeps_a_hot_copy_that_survives_a_crash(loaded_model, tmp_path):
+    clock = FakeClock()
+    engine = make(loaded_model, clock, session_dir=str(tmp_path), write_behind_s=2)
+    writer = engine.sessions.writer
+    assert writer is not None
+
+    def settle() -> None:
+        engine.idle_tick()  # submits what is due
+        assert writer.flush(timeout_s=30)
+        engine.idle_tick()  # accounts for what was written
+
+    _, reply = turn(engine, "w", HISTORY, "first")
+    clock.advance(1.5)
+    settle()
+    assert engine.sessions.get("w")["on_disk"] is False and os.listdir(tmp_path) == []  # not idle long enough
+    clock.advance(1)
+    settle()
+    info = engine.sessions.get("w")
+    assert info["location"] == "pool" and info["on_disk"] is True  # still hot, and a copy is on disk
+    # The writer's own references on the blocks are gone once its job is accounted for.
+    assert all(block.ref_count == 1 for block in engine.sessions.sessions["w"].hot_blocks)
+    assert engine.sessions.disk_bytes == os.path.getsize(tmp_path / os.listdir(tmp_path)[0])
+
+    # "Crash": no shutdown, no persist_all; a new process finds the copy and resumes from it.
+    restarted = make(loaded_model, FakeClock(), session_dir=str(tmp_path), write_behind_s=-1)
+    assert tier_of(restarted, "w") == "disk"
+    outs, text = turn(restarted, "w", second_turn_messages(reply), "after-crash", max_tokens=16)
+    assert outs[-1].cache_tier == "disk" and outs[-1].num_cached_tokens > 100
+    # The copy is exact: the same continuation as the original, still-hot engine gives.
+    _, hot_text = turn(engine, "w", second_turn_messages(reply), "hot", max_tokens=16)
+    assert text == hot_text
+
+    # A new turn keeps the older copy (a valid prefix) until the new state is written behind.
+    assert engine.sessions.get("w")["on_disk"] is False and len(os.listdir(tmp_path)) == 1
+    clock.advance(2.5)
+    settle()
+    assert engine.sessions.get("w")["on_disk"] is True
+    assert engine.sessions.events["write_behind"] == 2
+
+    # Demotion and spill reuse the copy instead of writing it again.
+    engine.sessions.config = replace(engine.sessions.config, warm_memory_bytes=1)
+    clock.advance(301)
+    engine.idle_tick()
+    assert tier_of(engine, "w") == "disk" and engine.sessions.events["spill_reused"] == 1
+    assert engine.sessions.events["spill"] == 0
+
+    # Deleting the conversation deletes its file.
+    assert engine.sessions.delete("w")
+    assert os.listdir(tmp_path) == [] and engine.sessions.disk_bytes == 0
+
+
+@pytest.mark.timeout(300)
+def test_write_behind_never_resurrects_a_deleted_session(loaded_model, tmp_path):
+    clock = FakeClock()
+    engine = make(loaded_model, clock, session_dir=str(tmp_path), write_behind_s=0)
+    turn(engine, "gone", HISTORY, "first")
+    writer = engine.sessions.writer
+    with writer.file_lock:  # holds the writer before it can write
+        engine.idle_tick()  # queues the write-behind
+        assert engine.sessions.events["write_behind"] == 1
+        deleted: list[bool] = []
+        # The delete needs the file lock too: it waits, in another thread, until the lock is free.
+        t = threading.Thread(target=lambda: deleted.append(engine.sessions.delete("gone")))
+        t.start()
+        t.join(timeout=0.5)
+        assert t.is_alive()  # blocked on the file lock
+    t.join(timeout=30)
+    assert deleted == [True]
+    assert writer.flush(timeout_s=30)
+    engine.idle_tick()
+    assert os.listdir(tmp_path) == [] and engine.sessions.get("gone") is None and engine.sessions.disk_bytes == 0
+
+
+@pytest.mark.timeout(300)
+def test_write_behind_copies_give_way_to_the_disk_budget_and_are_not_rewritten(loaded_model, tmp_path):
+    clock = FakeClock()
+    engine = make(loaded_model, clock, session_dir=str(tmp_path), write_behind_s=0, warm_disk_bytes=1)
+    turn(engine, "big", HISTORY, "first")
+    for _ in range(3):
+        engine.idle_tick()
+        assert engine.sessions.writer.flush(timeout_s=30)
+        clock.advance(1)
+    engine.idle_tick()
+    # Written once, over the budget, deleted; the same turn is not written again.
+    assert engine.sessions.events["write_behind"] == 1 and engine.sessions.events["copy_evict"] == 1
+    assert os.listdir(tmp_path) == [] and engine.sessions.disk_bytes == 0
+    assert tier_of(engine, "big") == "pool"  # the conversation itself is untouched

@@ -1,10 +1,10 @@
 """The router in front of real Ember replicas: affinity, bounded load, failover, the openai client.
 
 Three small ``ember serve`` processes (1 torch thread, 128 MiB KV pool) share one
-``--session-dir`` and run with ``--hot-ttl 0.5 --warm-memory-mb 0``: about a
-second after a turn, the conversation's KV is demoted from the pool (hot TTL)
-and, with no RAM budget, spilled to the shared directory, where any replica can
-restore it. ``ember route`` runs as its own process in front of them.
+``--session-dir`` and run with ``--write-behind 0.2``: well within a second
+after a turn, a copy of the conversation's KV is in the shared directory while
+the conversation stays hot in its replica's pool; any replica can restore the
+copy. ``ember route`` runs as its own process in front of them.
 
 Which replica served a request comes from the router's ``X-Ember-Upstream``
 response header, cross-checked with the replicas' own ``/v1/sessions``
@@ -39,9 +39,8 @@ NUM_REPLICAS = 3
 REPLICA_ARGS = (
     "--warmup-requests", "1",
     "--kv-cache-mb", "128",
-    # State reaches the shared directory about a second after each turn.
-    "--hot-ttl", "0.5",
-    "--warm-memory-mb", "0",
+    # A copy of each conversation reaches the shared directory within a second of its turn.
+    "--write-behind", "0.2",
 )
 BLOCK_SIZE = EngineConfig().block_size  # the replicas run with the default
 ROUTER_DEFAULTS = RouterConfig()  # the router runs with its default epsilon and floor
@@ -334,12 +333,12 @@ def test_killed_replica_conversations_continue_elsewhere_from_disk(cluster: Clus
     first = {session: ask(session, "Name a famous bridge.") for session in sessions}
     assert all(turn.upstream == victim for turn in first.values())
 
-    def on_disk() -> bool:
+    def hot_with_a_copy_on_disk() -> bool:
         infos = [httpx.get(f"{victim}/v1/sessions/{s}", timeout=5).json() for s in sessions]
-        return all(info["location"] == "disk" for info in infos)
+        return all(info["location"] == "pool" and info["on_disk"] for info in infos)
 
-    # A SIGKILLed replica cannot write anything: its conversations must be on disk before.
-    wait_until(on_disk, timeout_s=15, interval_s=0.1)
+    # A SIGKILLed replica cannot write anything: the copies written behind are all that is left.
+    wait_until(hot_with_a_copy_on_disk, timeout_s=15, interval_s=0.1)
     assert len(list(cluster.session_dir.glob("*.ekv"))) >= len(sessions)
     disk_hits_before = {url: disk_hit_tokens(cluster.replica(url)) for url in urls[1:]}
 

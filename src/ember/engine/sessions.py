@@ -13,6 +13,12 @@ and the hashes of its full KV blocks. Tier transitions:
     warm_ttl passes, or the ▶ COLD  dropped; the next turn recomputes
     disk budget exceeded
 
+With a ``session_dir``, a hot conversation idle for ``write_behind_s`` also gets
+a *copy* on disk (session_writer.py) while it stays hot: a replica that dies
+without warning leaves its recent conversations warm for the next replica (or
+its own restart) instead of cold. A later spill of an unchanged session reuses
+that file instead of writing it again.
+
 A new turn reuses, in order: blocks still in the pool (whatever the session's
 tier), then warm blocks, copied back into newly allocated pool blocks (a copy,
 not a recompute). Lookup is by chained block hash plus token comparison, so a
@@ -30,12 +36,14 @@ import os
 import threading
 import time
 from collections import Counter, OrderedDict
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
 from ember.config import SessionConfig
 from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block
+from ember.engine.session_writer import Finished, SessionWriter, WriteJob, file_stat
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request
 
@@ -46,18 +54,33 @@ HOT, WARM, DISK = "hot", "warm", "disk"
 
 @dataclass(eq=False)
 class Session:
-    """One conversation's state. ``tier`` is hot, warm (RAM) or disk (warm on disk)."""
+    """One conversation's state. ``tier`` is hot, warm (RAM) or disk (warm on disk).
+
+    ``path`` is set whenever a file this process wrote or adopted holds some
+    turn of the conversation (``file_turn``): always for the disk tier, and for
+    hot and RAM-warm sessions once written behind. ``file_stat`` is the file as
+    this process last saw it; a file that no longer matches was rewritten by
+    another replica sharing the directory, and is not ours to reuse or delete.
+    """
 
     key: str
     token_ids: list[int]
     block_hashes: list[bytes]
     tier: str
     last_used: float
+    turn: int = 0  # bumped on every finished turn, process-wide
     hot_blocks: list[Block] = field(default_factory=list)
     packed: ws.PackedKV | None = None
     path: str | None = None
     disk_bytes: int = 0
+    file_turn: int = -1
+    file_stat: tuple[int, int] | None = None
+    write_submitted: bool = False  # a write-behind of this turn is queued or done
     text: str | None = None  # decoded token_ids, for matching the next turn's prompt
+
+    def file_is_current(self) -> bool:
+        """The file on disk is ours and holds exactly this state."""
+        return self.path is not None and self.file_turn == self.turn and file_stat(self.path) == self.file_stat
 
     @property
     def ram_bytes(self) -> int:
@@ -90,8 +113,12 @@ class SessionManager:
         self.events: Counter[str] = Counter()  # demote, restore, spill, expire, evict, discard...
         self._lock = threading.RLock()
         self._next_check = 0.0
+        self._turns = 0
+        self.writer: SessionWriter | None = None
         if config.session_dir:
             self._scan_directory()
+            if config.write_behind_s >= 0:
+                self.writer = SessionWriter(config.session_dir, fingerprint, config.warm_format, kv.read_blocks)
 
     # -- turn boundaries --------------------------------------------------------
 
@@ -103,16 +130,22 @@ class SessionManager:
         full = min(request.num_computed_tokens // self.kv.block_size, len(blocks))
         hashes = self.kv.full_block_hashes(request)[:full]
         with self._lock:
-            session = self.sessions.pop(key, None)
-            if session is not None:
-                self._drop_state(session)
-            self.kv.pool.touch(blocks[:full])
-            now = self.clock()
-            self.sessions[key] = Session(
+            self._turns += 1
+            new = Session(
                 key=key, token_ids=list(request.token_ids), block_hashes=hashes, tier=HOT,
-                last_used=now, hot_blocks=list(blocks[:full]),
+                last_used=self.clock(), turn=self._turns, hot_blocks=list(blocks[:full]),
             )
-            self._next_check = min(self._next_check, now + self.config.hot_ttl_s)
+            old = self.sessions.pop(key, None)
+            if old is not None:
+                # The previous turn's file stays: it is a valid prefix until the new one is written.
+                self._drop_state(old, keep_file=True)
+                new.path, new.disk_bytes, new.file_turn, new.file_stat = old.path, old.disk_bytes, old.file_turn, old.file_stat
+            if self.writer is not None:
+                self.writer.want(key, None)  # a queued write of the old turn is stale now
+            self.kv.pool.touch(blocks[:full])
+            self.sessions[key] = new
+            due = self.config.hot_ttl_s if self.writer is None else min(self.config.hot_ttl_s, self.config.write_behind_s)
+            self._next_check = min(self._next_check, new.last_used + due)
             self.events["turn"] += 1
 
     def prompt_ids(self, key: str, rendered: str, encode: Callable[[str], list[int]]) -> list[int] | None:
@@ -137,7 +170,11 @@ class SessionManager:
     # -- the clock ------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Apply TTLs: hot -> warm after ``hot_ttl_s``, warm -> cold after ``warm_ttl_s``."""
+        """Apply TTLs: hot -> warm after ``hot_ttl_s``, warm -> cold after ``warm_ttl_s``;
+        write idle hot sessions behind after ``write_behind_s``."""
+        if self.writer is not None:
+            with self._lock:
+                self._account_writes()
         now = self.clock()
         if now < self._next_check:
             return
@@ -149,6 +186,12 @@ class SessionManager:
                     if now >= due:
                         self._demote(session)
                         due = session.last_used + self.config.warm_ttl_s
+                    elif self.writer is not None and not session.write_submitted and session.file_turn != session.turn:
+                        write_at = session.last_used + self.config.write_behind_s
+                        if now < write_at:
+                            due = min(due, write_at)
+                        elif self.disk_bytes < self.config.warm_disk_bytes:  # else it would be evicted at once
+                            self._write_behind(session)
                 else:
                     due = session.last_used + self.config.warm_ttl_s
                     if now >= due:
@@ -172,7 +215,10 @@ class SessionManager:
         if not self.config.session_dir:
             return 0
         written = 0
+        if self.writer is not None:
+            self.writer.flush()  # the copies written behind make most of the spills below free
         with self._lock:
+            self._account_writes()
             for session in list(self.sessions.values()):
                 if session.tier == HOT:
                     self._demote(session)
@@ -275,23 +321,68 @@ class SessionManager:
         if not self.config.session_dir:
             self._expire(session, "evict")
             return
-        try:
-            path, size = ws.write_session_file(
-                self.config.session_dir, session.key, self.fingerprint, session.token_ids, session.block_hashes, session.packed, time.time()
-            )
-        except OSError as exc:
-            log.warning("cannot spill session to %s: %s", self.config.session_dir, exc)
-            self._expire(session, "evict")
-            return
+        if session.file_is_current():
+            self.events["spill_reused"] += 1  # written behind while hot: nothing to write
+        else:
+            try:
+                with self._file_lock():
+                    path, _ = ws.write_session_file(
+                        self.config.session_dir, session.key, self.fingerprint, session.token_ids,
+                        session.block_hashes, session.packed, time.time(),
+                    )
+                    stat = file_stat(path)
+            except OSError as exc:
+                log.warning("cannot spill session to %s: %s", self.config.session_dir, exc)
+                self._expire(session, "evict")
+                return
+            self._set_file(session, path, session.turn, stat)
+            self.events["spill"] += 1
         self.ram_bytes -= session.ram_bytes
         session.packed = None
-        session.path, session.disk_bytes = path, size
         session.tier = DISK
-        self.disk_bytes += size
-        self.events["spill"] += 1
         self._enforce_disk_budget()
 
+    def _write_behind(self, session: Session) -> None:
+        """Queue a hot session's blocks for the writer thread, which copies them (holding a reference)."""
+        assert self.writer is not None
+        session.write_submitted = True
+        if not session.hot_blocks:
+            return
+        blocks = list(session.hot_blocks)
+        self.kv.pool.touch(blocks)  # released by _finish_write
+        self.writer.submit(WriteJob(session.key, session.turn, blocks, list(session.token_ids), list(session.block_hashes), time.time()))
+        self.events["write_behind"] += 1
+
+    def _account_writes(self) -> None:
+        """Take the writer's finished jobs: release their blocks, attach their files (engine thread, under the lock)."""
+        assert self.writer is not None
+        for finished in self.writer.results():
+            self._finish_write(finished, self.sessions.get(finished.key))
+        self._enforce_disk_budget()
+
+    def _finish_write(self, finished: Finished, session: Session | None) -> None:
+        self.kv.pool.release(reversed(finished.blocks))
+        if finished.path is not None and session is not None:
+            self._set_file(session, finished.path, finished.turn, finished.stat)
+
+    def _set_file(self, session: Session, path: str, turn: int, stat: tuple[int, int] | None) -> None:
+        self.disk_bytes -= session.disk_bytes
+        session.path, session.file_turn, session.file_stat = path, turn, stat
+        session.disk_bytes = stat[0] if stat is not None else 0
+        self.disk_bytes += session.disk_bytes
+
+    def _file_lock(self) -> AbstractContextManager[object]:
+        return self.writer.file_lock if self.writer is not None else nullcontext()
+
     def _enforce_disk_budget(self) -> None:
+        # First the copies of hot and RAM-warm sessions: they are only insurance against
+        # a crash; their session keeps ``write_submitted``, so the turn is not written again.
+        for session in list(self.sessions.values()):
+            if self.disk_bytes <= self.config.warm_disk_bytes:
+                return
+            if session.tier != DISK and session.path is not None:
+                self._delete_file(session)
+                self.events["copy_evict"] += 1
         for session in list(self.sessions.values()):
             if self.disk_bytes <= self.config.warm_disk_bytes:
                 return
@@ -304,20 +395,33 @@ class SessionManager:
         self._drop_state(session)
         self.events[reason] += 1
 
-    def _drop_state(self, session: Session) -> None:
+    def _drop_state(self, session: Session, keep_file: bool = False) -> None:
         if session.hot_blocks:
             self.kv.pool.release(reversed(session.hot_blocks))
             session.hot_blocks = []
         self.ram_bytes -= session.ram_bytes
         session.packed = None
-        if session.path is not None:
-            try:
-                os.unlink(session.path)
-            except OSError:
-                pass
-            self.disk_bytes -= session.disk_bytes
-            session.path, session.disk_bytes = None, 0
+        if not keep_file:  # else the caller hands the file (and its bytes) to the next turn's session
+            self._delete_file(session)
         self._unindex_session(session)
+
+    def _delete_file(self, session: Session) -> None:
+        """Forget the session's file, and delete it unless another replica has rewritten it since."""
+        with self._file_lock():
+            if self.writer is not None:
+                # Under the file lock: no write of this key is in progress, and none will start;
+                # one that finished is in the results (perhaps for this session, already out of the table).
+                self.writer.want(session.key, None)
+                for finished in self.writer.results():
+                    self._finish_write(finished, session if finished.key == session.key else self.sessions.get(finished.key))
+            if session.path is not None:
+                if session.file_stat is None or file_stat(session.path) == session.file_stat:
+                    try:
+                        os.unlink(session.path)
+                    except OSError:
+                        pass
+                self.disk_bytes -= session.disk_bytes
+        session.path, session.disk_bytes, session.file_turn, session.file_stat = None, 0, -1, None
 
     def _index_session(self, session: Session) -> None:
         for i, h in enumerate(session.block_hashes):
@@ -345,6 +449,7 @@ class SessionManager:
             self._unindex_session(session)
             session.block_hashes, session.token_ids, session.text = header.block_hashes, header.token_ids, None
             self._index_session(session)
+            session.file_stat = file_stat(session.path)
         return packed
 
     def _adopt_file(self, key: str) -> Session | None:
@@ -369,13 +474,17 @@ class SessionManager:
         age = max(0.0, time.time() - header.last_used_wall)
         if age >= self.config.warm_ttl_s:
             return None
-        size = os.path.getsize(path)
+        stat = file_stat(path)
+        if stat is None:
+            return None
+        self._turns += 1
         session = Session(
             key=header.session_key, token_ids=header.token_ids, block_hashes=header.block_hashes,
-            tier=DISK, last_used=self.clock() - age, path=path, disk_bytes=size,
+            tier=DISK, last_used=self.clock() - age, turn=self._turns, path=path, disk_bytes=stat[0],
+            file_turn=self._turns, file_stat=stat,
         )
         self.sessions[session.key] = session
-        self.disk_bytes += size
+        self.disk_bytes += stat[0]
         self._index_session(session)
         return session
 
@@ -402,6 +511,8 @@ class SessionManager:
             "cached_tokens": len(session.block_hashes) * self.kv.block_size,
             "bytes": len(session.hot_blocks) * self.kv.bytes_per_block if session.tier == HOT else session.ram_bytes or session.disk_bytes,
             "last_used_s_ago": round(now - session.last_used, 3),
+            # A copy of this very state is on disk (always for the disk tier; once written behind for the others).
+            "on_disk": session.file_is_current(),
             "expires_in_s": round(session.last_used + ttl - now, 3),
         }
 
@@ -432,3 +543,4 @@ class SessionManager:
         with self._lock:
             hot = sum(len(s.hot_blocks) for s in self.sessions.values()) * self.kv.bytes_per_block
         return {HOT: hot, WARM: self.ram_bytes, DISK: self.disk_bytes}
+

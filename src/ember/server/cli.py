@@ -66,6 +66,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--session-dir", default=_SS.session_dir, help="directory where warm state spills and survives restarts")
     t.add_argument("--warm-disk-mb", type=int, default=_SS.warm_disk_bytes // MIB, help="disk budget of the warm tier, MiB")
     t.add_argument("--warm-format", default=_SS.warm_format, choices=["int8", "bf16", "exact"], help="how warm KV is stored")
+    t.add_argument(
+        "--write-behind", type=float, default=_SS.write_behind_s,
+        help="seconds a hot conversation is idle before a copy goes to --session-dir (survives a crash); negative: never",
+    )
     t.add_argument("--no-sessions", action="store_true", help="disable session tiers (prefix caching still works)")
     p.set_defaults(func=run_serve)
 
@@ -118,6 +122,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         session_dir=args.session_dir,
         warm_disk_bytes=args.warm_disk_mb * MIB,
         warm_format=args.warm_format,
+        write_behind_s=args.write_behind,
         enabled=not args.no_sessions,
     )
     return server, engine, sessions
