@@ -81,13 +81,14 @@ def test_route_subcommand_maps_flags_onto_config() -> None:
     cli.register(parser.add_subparsers())
     flags = "--upstream http://a:1 --upstream http://b:2/v1 --port 9000 --policy least-load --load-epsilon 0.5"
     flags += " --probe-interval 0.5 --breaker-failures 3 --breaker-open-seconds 4 --request-timeout 20 --admin-key k"
+    flags += " --hide-upstream"
     args = parser.parse_args(["route", *flags.split()])
     assert args.func is cli.run_router
     config = cli.config_from_args(args)
     assert config.upstreams == ("http://a:1", "http://b:2")
     assert (config.port, config.policy, config.load_epsilon, config.probe_interval_s) == (9000, "least-load", 0.5, 0.5)
     assert (config.breaker_failures, config.breaker_open_s, config.request_timeout_s) == (3, 4.0, 20.0)
-    assert config.admin_key == "k"
+    assert config.admin_key == "k" and config.expose_upstream is False
     defaults = cli.config_from_args(parser.parse_args(["route"]))
     assert defaults == RouterConfig()  # the CLI's defaults are RouterConfig's
 

@@ -92,7 +92,19 @@ def test_headers_are_forwarded_both_ways(upstreams, start_router) -> None:
     assert seen["host"] == f"127.0.0.1:{a.port}"
     assert response.headers["x-upstream"] == "a"
     assert response.headers["x-request-id"] == "req-123"
+    assert response.headers["x-ember-upstream"] == a.url
     assert len(response.headers.get_list("date")) == 1 and len(response.headers.get_list("server")) == 1
+
+
+@pytest.mark.timeout(20)
+def test_the_serving_replica_can_be_hidden_from_clients(upstreams, start_router) -> None:
+    a = upstreams[0]
+    router = start_router([a.url], expose_upstream=False)
+    for stream in (False, True):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream}
+        response = router.http.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200 and "x-ember-upstream" not in response.headers
+        assert a.url not in response.text
 
 
 @pytest.mark.timeout(20)

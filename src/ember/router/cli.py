@@ -53,6 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         f"(default {d.stall_timeout_s})")
     parser.add_argument("--admin-key", default=d.admin_key,
                         help="key for /admin/* (without one, /admin answers loopback clients only)")
+    parser.add_argument("--hide-upstream", action="store_true",
+                        help="do not send X-Ember-Upstream (the serving replica's URL) to clients")
     parser.add_argument("--log-level", default=d.log_level, help=f"log level (default {d.log_level})")
     parser.set_defaults(func=run_router)
     return parser
@@ -74,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         request_timeout_s=args.request_timeout,
         stall_timeout_s=args.stall_timeout,
         admin_key=args.admin_key,
+        expose_upstream=not args.hide_upstream,
         log_level=args.log_level,
     )
 

@@ -71,6 +71,9 @@ class RouterConfig:
     session_prompt_chars: int = 1024
     # Protects /admin/*. Without it, /admin/* answers loopback clients only.
     admin_key: str | None = None
+    # Send X-Ember-Upstream (the serving replica's URL) with every response. Handy
+    # for debugging affinity; turn it off when clients must not learn replica addresses.
+    expose_upstream: bool = True
     # Shared upstream connection pool (keep-alive).
     max_connections: int = 1024
     max_keepalive_connections: int = 256

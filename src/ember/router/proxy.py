@@ -287,7 +287,8 @@ class Proxy:
         headers = upstream_response_headers(response.headers.raw, request_id)
         # Which replica answered: lets clients, logs and tests see affinity and
         # failover per request without access to the router's metrics.
-        headers.append((UPSTREAM_HEADER, opened.replica.url.encode("latin-1")))
+        if self._config.expose_upstream:
+            headers.append((UPSTREAM_HEADER, opened.replica.url.encode("latin-1")))
         clock = self._clock
         stall_s = self._config.stall_timeout_s
         tail = b""
