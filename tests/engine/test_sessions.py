@@ -290,22 +290,60 @@ def test_write_behind_keeps_a_hot_copy_that_survives_a_crash(loaded_model, tmp_p
 def test_write_behind_never_resurrects_a_deleted_session(loaded_model, tmp_path):
     clock = FakeClock()
     engine = make(loaded_model, clock, session_dir=str(tmp_path), write_behind_s=0)
-    turn(engine, "gone", HISTORY, "first")
     writer = engine.sessions.writer
-    with writer.file_lock:  # holds the writer before it can write
-        engine.idle_tick()  # queues the write-behind
-        assert engine.sessions.events["write_behind"] == 1
-        deleted: list[bool] = []
-        # The delete needs the file lock too: it waits, in another thread, until the lock is free.
+    # A write that finished but was not taken back yet, then a delete.
+    turn(engine, "done", HISTORY, "first")
+    engine.idle_tick()
+    assert writer.flush(timeout_s=30) and len(os.listdir(tmp_path)) == 1
+    assert engine.sessions.delete("done")
+    assert os.listdir(tmp_path) == [] and engine.sessions.disk_bytes == 0
+
+    # A write queued behind the file lock while the delete waits for it too: whichever
+    # takes the lock first, the file must not outlive the session.
+    turn(engine, "gone", HISTORY, "second")
+    deleted: list[bool] = []
+    with writer.file_lock:
+        engine.idle_tick()  # queues the write-behind; the writer blocks on the lock
+        assert engine.sessions.events["write_behind"] == 2
         t = threading.Thread(target=lambda: deleted.append(engine.sessions.delete("gone")))
         t.start()
         t.join(timeout=0.5)
-        assert t.is_alive()  # blocked on the file lock
+        assert t.is_alive()  # the delete waits for the file lock
     t.join(timeout=30)
     assert deleted == [True]
     assert writer.flush(timeout_s=30)
     engine.idle_tick()
     assert os.listdir(tmp_path) == [] and engine.sessions.get("gone") is None and engine.sessions.disk_bytes == 0
+    assert all(block.ref_count == 0 for block in engine.kv.pool.blocks[1:])  # the writer's references are back
+
+
+@pytest.mark.timeout(300)
+def test_a_spill_racing_a_finished_write_behind_keeps_one_file_and_deletes_it(loaded_model, tmp_path):
+    """The writer finishes while the engine thread is between taking results back
+    and spilling the same session: the spill must use that file, not write another
+    one whose record the late result would then overwrite."""
+    clock = FakeClock()
+    engine = make(loaded_model, clock, session_dir=str(tmp_path), write_behind_s=0, warm_memory_bytes=1)
+    writer = engine.sessions.writer
+    turn(engine, "s", HISTORY, "first")
+    read_blocks = engine.kv.read_blocks  # the writer keeps its own reference to it
+
+    def demote_after_the_write_finished(block_ids):
+        writer.file_lock.release()  # let the blocked writer finish and publish its result
+        assert writer.flush(timeout_s=30)
+        return read_blocks(block_ids)
+
+    writer.file_lock.acquire()
+    engine.idle_tick()  # queues the write-behind; it blocks on the lock
+    clock.advance(301)
+    engine.kv.read_blocks = demote_after_the_write_finished
+    engine.idle_tick()  # takes results back (none yet), demotes (the write finishes meanwhile), spills
+    engine.kv.read_blocks = read_blocks
+    assert tier_of(engine, "s") == "disk"
+    assert engine.sessions.events["spill_reused"] == 1 and engine.sessions.events["spill"] == 0
+    assert engine.sessions.disk_bytes == sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))
+    assert engine.sessions.delete("s")
+    assert os.listdir(tmp_path) == [] and engine.sessions.disk_bytes == 0
 
 
 @pytest.mark.timeout(300)

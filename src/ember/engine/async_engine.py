@@ -80,6 +80,8 @@ class AsyncEngine:
         self._wakeup.set()
         if self._started:
             self._thread.join(timeout)
+        if self.engine.sessions is not None:
+            self.engine.sessions.close()
 
     @property
     def is_running(self) -> bool:

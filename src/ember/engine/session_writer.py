@@ -92,8 +92,8 @@ class SessionWriter:
         self._wanted_lock = threading.Lock()
         self._jobs: queue.Queue[WriteJob | None] = queue.Queue()
         self._results: deque[Finished] = deque()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._pending = 0  # jobs submitted and not finished; guarded by _done
+        self._done = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ember-session-writer", daemon=True)
         self._thread.start()
 
@@ -109,7 +109,8 @@ class SessionWriter:
 
     def submit(self, job: WriteJob) -> None:
         self.want(job.key, job.turn)
-        self._idle.clear()
+        with self._done:
+            self._pending += 1
         self._jobs.put(job)
 
     def results(self) -> list[Finished]:
@@ -120,8 +121,9 @@ class SessionWriter:
         return out
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every job submitted so far is written or skipped (call from the submitting thread)."""
-        return self._idle.wait(timeout_s)
+        """Wait until every job submitted so far is written or skipped; False on timeout."""
+        with self._done:
+            return self._done.wait_for(lambda: self._pending == 0, timeout_s)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Finish the queued jobs, then stop the thread."""
@@ -138,7 +140,6 @@ class SessionWriter:
         while True:
             job = self._jobs.get()
             if job is None:
-                self._idle.set()
                 return
             try:
                 if self._is_wanted(job):  # skip the packing too when a newer turn came meanwhile
@@ -148,8 +149,9 @@ class SessionWriter:
             except Exception:  # a full disk must not kill the thread; the session stays hot in the pool
                 log.exception("write-behind of session %r failed", job.key)
                 self._results.append(Finished(job.key, job.turn, job.blocks))
-            if self._jobs.empty():
-                self._idle.set()
+            with self._done:
+                self._pending -= 1
+                self._done.notify_all()
 
     def _write(self, job: WriteJob) -> None:
         packed = ws.pack(self.read_blocks([b.block_id for b in job.blocks]), self.warm_format)

@@ -115,6 +115,7 @@ class SessionManager:
         self._next_check = 0.0
         self._turns = 0
         self.writer: SessionWriter | None = None
+        self._pinned: Counter[str] = Counter()  # keys with write-behind jobs not yet taken back
         if config.session_dir:
             self._scan_directory()
             if config.write_behind_s >= 0:
@@ -201,14 +202,35 @@ class SessionManager:
             self._next_check = next_event
 
     def relieve_pressure(self) -> bool:
-        """Demote the least recently used hot session; False if there is none."""
+        """Demote the least recently used hot session; False if there is none.
+
+        A session whose write-behind is in flight is passed over: the writer's
+        references keep its blocks in the pool, so demoting it frees nothing.
+        Only if every hot session is in flight does this wait for the writer.
+        """
         with self._lock:
-            for session in self.sessions.values():
-                if session.tier == HOT:
-                    self._demote(session)
-                    self.events["pressure_demote"] += 1
-                    return True
+            for attempt in range(2):
+                if self.writer is not None:
+                    if attempt:
+                        self.writer.flush()
+                    self._account_writes()
+                in_flight = self._in_flight_keys()
+                for session in self.sessions.values():
+                    if session.tier == HOT and session.key not in in_flight:
+                        self._demote(session)
+                        self.events["pressure_demote"] += 1
+                        return True
+                if not in_flight:
+                    break
         return False
+
+    def _in_flight_keys(self) -> set[str]:
+        return set(self._pinned) if self.writer is not None else set()
+
+    def close(self) -> None:
+        """Stop the write-behind thread after the jobs already queued (call after ``persist_all``)."""
+        if self.writer is not None:
+            self.writer.close()
 
     def persist_all(self) -> int:
         """Write every hot and RAM-warm session to ``session_dir`` (at shutdown); returns how many."""
@@ -321,22 +343,22 @@ class SessionManager:
         if not self.config.session_dir:
             self._expire(session, "evict")
             return
-        if session.file_is_current():
-            self.events["spill_reused"] += 1  # written behind while hot: nothing to write
-        else:
-            try:
-                with self._file_lock():
+        try:
+            with self._file_lock():
+                self._collect_writes(session)  # a write-behind that just finished may make this one free
+                if session.file_is_current():
+                    self.events["spill_reused"] += 1
+                else:
                     path, _ = ws.write_session_file(
                         self.config.session_dir, session.key, self.fingerprint, session.token_ids,
                         session.block_hashes, session.packed, time.time(),
                     )
-                    stat = file_stat(path)
-            except OSError as exc:
-                log.warning("cannot spill session to %s: %s", self.config.session_dir, exc)
-                self._expire(session, "evict")
-                return
-            self._set_file(session, path, session.turn, stat)
-            self.events["spill"] += 1
+                    self._set_file(session, path, session.turn, file_stat(path))
+                    self.events["spill"] += 1
+        except OSError as exc:
+            log.warning("cannot spill session to %s: %s", self.config.session_dir, exc)
+            self._expire(session, "evict")
+            return
         self.ram_bytes -= session.ram_bytes
         session.packed = None
         session.tier = DISK
@@ -350,6 +372,7 @@ class SessionManager:
             return
         blocks = list(session.hot_blocks)
         self.kv.pool.touch(blocks)  # released by _finish_write
+        self._pinned[session.key] += 1
         self.writer.submit(WriteJob(session.key, session.turn, blocks, list(session.token_ids), list(session.block_hashes), time.time()))
         self.events["write_behind"] += 1
 
@@ -362,8 +385,22 @@ class SessionManager:
 
     def _finish_write(self, finished: Finished, session: Session | None) -> None:
         self.kv.pool.release(reversed(finished.blocks))
-        if finished.path is not None and session is not None:
+        self._pinned[finished.key] -= 1
+        if self._pinned[finished.key] <= 0:
+            del self._pinned[finished.key]
+        # Turns only grow: a file of an older turn than the one recorded is not the file on disk.
+        if finished.path is not None and session is not None and finished.turn >= session.file_turn:
             self._set_file(session, finished.path, finished.turn, finished.stat)
+
+    def _collect_writes(self, session: Session) -> None:
+        """Stop writes of ``session``'s key and take back finished ones (hold the file lock:
+        then no write of the key is in progress and none will start)."""
+        if self.writer is None:
+            return
+        self.writer.want(session.key, None)
+        for finished in self.writer.results():
+            # ``session`` may already be out of the table (being dropped).
+            self._finish_write(finished, session if finished.key == session.key else self.sessions.get(finished.key))
 
     def _set_file(self, session: Session, path: str, turn: int, stat: tuple[int, int] | None) -> None:
         self.disk_bytes -= session.disk_bytes
@@ -408,14 +445,9 @@ class SessionManager:
     def _delete_file(self, session: Session) -> None:
         """Forget the session's file, and delete it unless another replica has rewritten it since."""
         with self._file_lock():
-            if self.writer is not None:
-                # Under the file lock: no write of this key is in progress, and none will start;
-                # one that finished is in the results (perhaps for this session, already out of the table).
-                self.writer.want(session.key, None)
-                for finished in self.writer.results():
-                    self._finish_write(finished, session if finished.key == session.key else self.sessions.get(finished.key))
+            self._collect_writes(session)
             if session.path is not None:
-                if session.file_stat is None or file_stat(session.path) == session.file_stat:
+                if session.file_stat is not None and file_stat(session.path) == session.file_stat:
                     try:
                         os.unlink(session.path)
                     except OSError:
@@ -449,7 +481,7 @@ class SessionManager:
             self._unindex_session(session)
             session.block_hashes, session.token_ids, session.text = header.block_hashes, header.token_ids, None
             self._index_session(session)
-            session.file_stat = file_stat(session.path)
+            self._set_file(session, session.path, session.file_turn, file_stat(session.path))
         return packed
 
     def _adopt_file(self, key: str) -> Session | None:
