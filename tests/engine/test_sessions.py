@@ -326,19 +326,19 @@ def test_a_spill_racing_a_finished_write_behind_keeps_one_file_and_deletes_it(lo
     engine = make(loaded_model, clock, session_dir=str(tmp_path), write_behind_s=0, warm_memory_bytes=1)
     writer = engine.sessions.writer
     turn(engine, "s", HISTORY, "first")
-    read_blocks = engine.kv.read_blocks  # the writer keeps its own reference to it
+    pack_blocks = engine.kv.pack_blocks  # the writer keeps its own reference to it
 
-    def demote_after_the_write_finished(block_ids):
+    def demote_after_the_write_finished(block_ids, fmt):
         writer.file_lock.release()  # let the blocked writer finish and publish its result
         assert writer.flush(timeout_s=30)
-        return read_blocks(block_ids)
+        return pack_blocks(block_ids, fmt)
 
     writer.file_lock.acquire()
     engine.idle_tick()  # queues the write-behind; it blocks on the lock
     clock.advance(301)
-    engine.kv.read_blocks = demote_after_the_write_finished
+    engine.kv.pack_blocks = demote_after_the_write_finished
     engine.idle_tick()  # takes results back (none yet), demotes (the write finishes meanwhile), spills
-    engine.kv.read_blocks = read_blocks
+    engine.kv.pack_blocks = pack_blocks
     assert tier_of(engine, "s") == "disk"
     assert engine.sessions.events["spill_reused"] == 1 and engine.sessions.events["spill"] == 0
     assert engine.sessions.disk_bytes == sum(os.path.getsize(tmp_path / f) for f in os.listdir(tmp_path))

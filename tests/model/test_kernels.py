@@ -192,3 +192,23 @@ def test_packed_bf16_gemm_matches_the_dense_copy(k, rows):
     y = k.gemm_bf16_packed(x, pack_bf16_for_kernels(dense))
     ref = x.to(torch.bfloat16).float() @ dense.float().t()  # the kernel rounds x to bfloat16 too
     torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("head_dim", [64, 20])  # 20: the scalar tail after one vector
+def test_pack_kv_int8_gathers_and_quantizes_to_the_same_bits_as_torch(k, head_dim) -> None:
+    from ember.engine import warm_storage as ws
+
+    torch.manual_seed(0)
+    layers, blocks, block_size, heads = 3, 7, 4, 2
+    kv = torch.randn(layers, 2, blocks, block_size, heads, head_dim) * 3
+    kv[0, 0, 2] = 0.0  # an all-zero row: the scale floor
+    kv[1, 1, 4, 0, 0, 0] = 1e4  # one outlier dominates its row
+    kv[2, 0, 5, 1, 1, :] = torch.linspace(-127, 127, head_dim) / 127 * 0.5  # a row over the whole int8 range
+    ids = [5, 0, 2, 4]
+    data, scales = k.pack_kv_int8(kv.view(layers, 2, blocks, -1), torch.tensor(ids), head_dim)
+    expected = ws.pack(kv[:, :, ids], "int8")
+    assert torch.equal(data.view_as(expected.data), expected.data)
+    assert torch.equal(scales.view_as(expected.scales), expected.scales)
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.pack_kv_int8(kv.view(layers, 2, blocks, -1), torch.tensor([blocks]), head_dim)

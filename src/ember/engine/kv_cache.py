@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from ember.config import EngineConfig, ModelConfig
+from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block, BlockPool, hash_block
 from ember.engine.request import Request
+from ember.kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:
     from ember.engine.sessions import SessionManager
@@ -105,6 +107,24 @@ class KVCacheManager:
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of the KV of ``block_ids``: (layers, 2, n, block_size, KV, Hd)."""
         return self._block_view()[:, :, block_ids].clone()
+
+    def pack_blocks(self, block_ids: list[int], fmt: str) -> ws.PackedKV:
+        """The KV of ``block_ids`` packed for the warm tier (``warm_storage.pack``'s result).
+
+        Safe from another thread while the blocks are referenced and full: nothing
+        writes to them then (the session writer relies on it).
+        """
+        if fmt == "int8" and self.kv.dtype == torch.float32 and self.kv.device.type == "cpu":
+            kernels = cpu_kernels.load()
+            if kernels is not None:  # gather and quantize in one pass, the same bits as ws.pack
+                l, two, _, heads, dim = self.kv.shape
+                view = self.kv.view(l, two, self.num_blocks, self.block_size * heads * dim)
+                data, scales = kernels.pack_kv_int8(view, torch.tensor(block_ids, dtype=torch.long), dim)
+                n = len(block_ids)
+                return ws.PackedKV(
+                    "int8", data.view(l, two, n, self.block_size, heads, dim), scales.view(l, two, n, self.block_size, heads, 1), self.kv.dtype
+                )
+        return ws.pack(self.read_blocks(block_ids), fmt)
 
     def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         self._block_view()[:, :, block_ids] = data.to(self.kv.dtype)

@@ -37,7 +37,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 
 from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block
@@ -81,10 +80,10 @@ class SessionWriter:
     """One background thread that packs and writes hot conversations' KV (see module docstring)."""
 
     def __init__(
-        self, directory: str, fingerprint: str, warm_format: str, read_blocks: Callable[[list[int]], torch.Tensor]
+        self, directory: str, fingerprint: str, warm_format: str, pack_blocks: Callable[[list[int], str], ws.PackedKV]
     ) -> None:
         self.directory = directory
-        self.read_blocks = read_blocks
+        self.pack_blocks = pack_blocks
         self.fingerprint = fingerprint
         self.warm_format = warm_format
         self.file_lock = threading.Lock()
@@ -154,7 +153,7 @@ class SessionWriter:
                 self._done.notify_all()
 
     def _write(self, job: WriteJob) -> None:
-        packed = ws.pack(self.read_blocks([b.block_id for b in job.blocks]), self.warm_format)
+        packed = self.pack_blocks([b.block_id for b in job.blocks], self.warm_format)
         with self.file_lock:
             if not self._is_wanted(job):
                 self._results.append(Finished(job.key, job.turn, job.blocks))

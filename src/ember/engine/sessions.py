@@ -119,7 +119,7 @@ class SessionManager:
         if config.session_dir:
             self._scan_directory()
             if config.write_behind_s >= 0:
-                self.writer = SessionWriter(config.session_dir, fingerprint, config.warm_format, kv.read_blocks)
+                self.writer = SessionWriter(config.session_dir, fingerprint, config.warm_format, kv.pack_blocks)
 
     # -- turn boundaries --------------------------------------------------------
 
@@ -314,7 +314,7 @@ class SessionManager:
         blocks = session.hot_blocks
         session.hot_blocks = []
         if blocks:
-            session.packed = ws.pack(self.kv.read_blocks([b.block_id for b in blocks]), self.config.warm_format)
+            session.packed = self.kv.pack_blocks([b.block_id for b in blocks], self.config.warm_format)
             self.kv.pool.release(reversed(blocks))
             # The state moves out of the pool: blocks no one else uses become free
             # capacity at once (a prefix shared with hot conversations stays cached).
