@@ -360,3 +360,35 @@ def test_write_behind_copies_give_way_to_the_disk_budget_and_are_not_rewritten(l
     assert engine.sessions.events["write_behind"] == 1 and engine.sessions.events["copy_evict"] == 1
     assert os.listdir(tmp_path) == [] and engine.sessions.disk_bytes == 0
     assert tier_of(engine, "big") == "pool"  # the conversation itself is untouched
+
+
+@pytest.mark.timeout(300)
+def test_a_replica_never_overwrites_a_newer_turn_another_replica_wrote(loaded_model, tmp_path):
+    """Replicas share a directory; the conversation moved from A to B, which served a
+    later turn and spilled it. When A later spills its older state, B's file stays."""
+    from ember.engine.warm_storage import read_header, session_file_name
+
+    clock_a, clock_b = FakeClock(), FakeClock()
+    a = make(loaded_model, clock_a, session_dir=str(tmp_path), write_behind_s=-1)
+    b = make(loaded_model, clock_b, session_dir=str(tmp_path), write_behind_s=-1, hot_ttl_s=1, warm_memory_bytes=1)
+    _, reply = turn(a, "c", HISTORY, "a1")
+    clock_a.advance(301)
+    a.idle_tick()
+    assert tier_of(a, "c") == "ram"  # A's turn 1, not on disk
+
+    second = second_turn_messages(reply)
+    _, reply2 = turn(b, "c", second, "b2")  # the conversation moved to B
+    clock_b.advance(2)
+    b.idle_tick()
+    assert tier_of(b, "c") == "disk"
+    path = tmp_path / session_file_name("c")
+    b_tokens = read_header(str(path), b.fingerprint).token_ids
+
+    a.sessions.persist_all()  # A spills its older turn 1
+    assert a.sessions.events["spill_yielded"] == 1 and a.sessions.events["spill"] == 0
+    assert read_header(str(path), a.fingerprint).token_ids == b_tokens  # B's turn 2 is still there
+
+    # Back on A, turn 3 restores B's turn 2 from the file (A's own state was older).
+    third = [*second, {"role": "assistant", "content": reply2}, {"role": "user", "content": "And the shortest?"}]
+    outs, _ = turn(a, "c", third, "a3", max_tokens=4)
+    assert outs[-1].cache_tier == "disk" and outs[-1].num_cached_tokens >= len(b_tokens) // 16 * 16 - 16

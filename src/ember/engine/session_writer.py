@@ -54,6 +54,7 @@ class WriteJob:
     token_ids: list[int]
     block_hashes: list[bytes]
     last_used_wall: float
+    known_stat: tuple[int, int] | None  # the session's file as this process last saw it
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Finished:
     blocks: list[Block]
     path: str | None = None
     stat: tuple[int, int] | None = None  # (size, mtime_ns): tells our file from one another replica wrote since
+    yielded: bool = False  # not written: another replica's file holds a later use of the conversation
 
 
 def file_stat(path: str) -> tuple[int, int] | None:
@@ -74,6 +76,21 @@ def file_stat(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return st.st_size, st.st_mtime_ns
+
+
+def newer_file_of_another(path: str, known: tuple[int, int] | None, last_used_wall: float, fingerprint: str) -> bool:
+    """``path`` was written by someone else since this process saw it (``known``) and
+    holds a later use of the conversation than ``last_used_wall``: it must not be
+    overwritten. Replicas sharing a directory: the conversation moved to another
+    replica, which served a newer turn than the state this one is about to write."""
+    current = file_stat(path)
+    if current is None or current == known:
+        return False
+    try:
+        header = ws.read_header(path, fingerprint)
+    except ws.CorruptSessionFile:
+        return False  # nothing worth keeping
+    return header.last_used_wall > last_used_wall
 
 
 class SessionWriter:
@@ -157,6 +174,10 @@ class SessionWriter:
         with self.file_lock:
             if not self._is_wanted(job):
                 self._results.append(Finished(job.key, job.turn, job.blocks))
+                return
+            path = os.path.join(self.directory, ws.session_file_name(job.key))
+            if newer_file_of_another(path, job.known_stat, job.last_used_wall, self.fingerprint):
+                self._results.append(Finished(job.key, job.turn, job.blocks, yielded=True))
                 return
             path, _ = ws.write_session_file(
                 self.directory, job.key, self.fingerprint, job.token_ids, job.block_hashes, packed, job.last_used_wall

@@ -43,7 +43,7 @@ from typing import Callable
 from ember.config import SessionConfig
 from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block
-from ember.engine.session_writer import Finished, SessionWriter, WriteJob, file_stat
+from ember.engine.session_writer import Finished, SessionWriter, WriteJob, file_stat, newer_file_of_another
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request
 
@@ -237,10 +237,10 @@ class SessionManager:
         if not self.config.session_dir:
             return 0
         written = 0
-        if self.writer is not None:
-            self.writer.flush()  # the copies written behind make most of the spills below free
         with self._lock:
-            self._account_writes()
+            if self.writer is not None:
+                self.writer.flush()  # the copies written behind make most of the spills below free
+                self._account_writes()
             for session in list(self.sessions.values()):
                 if session.tier == HOT:
                     self._demote(session)
@@ -346,12 +346,19 @@ class SessionManager:
         try:
             with self._file_lock():
                 self._collect_writes(session)  # a write-behind that just finished may make this one free
+                path = os.path.join(self.config.session_dir, ws.session_file_name(session.key))
+                wall = self._last_used_wall(session)
                 if session.file_is_current():
                     self.events["spill_reused"] += 1
+                elif newer_file_of_another(path, session.file_stat, wall, self.fingerprint):
+                    # Another replica served a later turn: its file is the state to keep (and
+                    # to restore from: _load takes the file's tokens over this session's).
+                    self._set_file(session, path, session.turn, file_stat(path))
+                    self.events["spill_yielded"] += 1
                 else:
                     path, _ = ws.write_session_file(
                         self.config.session_dir, session.key, self.fingerprint, session.token_ids,
-                        session.block_hashes, session.packed, time.time(),
+                        session.block_hashes, session.packed, wall,
                     )
                     self._set_file(session, path, session.turn, file_stat(path))
                     self.events["spill"] += 1
@@ -373,8 +380,15 @@ class SessionManager:
         blocks = list(session.hot_blocks)
         self.kv.pool.touch(blocks)  # released by _finish_write
         self._pinned[session.key] += 1
-        self.writer.submit(WriteJob(session.key, session.turn, blocks, list(session.token_ids), list(session.block_hashes), time.time()))
+        self.writer.submit(WriteJob(
+            session.key, session.turn, blocks, list(session.token_ids), list(session.block_hashes),
+            self._last_used_wall(session), session.file_stat,
+        ))
         self.events["write_behind"] += 1
+
+    def _last_used_wall(self, session: Session) -> float:
+        """When the session was last used, by the wall clock files carry (comparable across replicas)."""
+        return time.time() - (self.clock() - session.last_used)
 
     def _account_writes(self) -> None:
         """Take the writer's finished jobs: release their blocks, attach their files (engine thread, under the lock)."""
@@ -385,6 +399,8 @@ class SessionManager:
 
     def _finish_write(self, finished: Finished, session: Session | None) -> None:
         self.kv.pool.release(reversed(finished.blocks))
+        if finished.yielded:
+            self.events["write_yielded"] += 1
         self._pinned[finished.key] -= 1
         if self._pinned[finished.key] <= 0:
             del self._pinned[finished.key]
