@@ -37,7 +37,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
 from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block
 

@@ -214,18 +214,14 @@ class SessionManager:
                     if attempt:
                         self.writer.flush()
                     self._account_writes()
-                in_flight = self._in_flight_keys()
                 for session in self.sessions.values():
-                    if session.tier == HOT and session.key not in in_flight:
+                    if session.tier == HOT and session.key not in self._pinned:
                         self._demote(session)
                         self.events["pressure_demote"] += 1
                         return True
-                if not in_flight:
+                if not self._pinned:
                     break
         return False
-
-    def _in_flight_keys(self) -> set[str]:
-        return set(self._pinned) if self.writer is not None else set()
 
     def close(self) -> None:
         """Stop the write-behind thread after the jobs already queued (call after ``persist_all``)."""
@@ -391,11 +387,19 @@ class SessionManager:
         return time.time() - (self.clock() - session.last_used)
 
     def _account_writes(self) -> None:
-        """Take the writer's finished jobs: release their blocks, attach their files (engine thread, under the lock)."""
+        """Take back the writer's finished jobs, then keep the disk budget (engine thread, under the lock)."""
+        self._take_back_writes()
+        self._enforce_disk_budget()
+
+    def _take_back_writes(self, dropping: Session | None = None) -> None:
+        """Release the blocks of the writer's finished jobs and attach their files.
+
+        ``dropping`` is a session already out of the table whose results are its own.
+        """
         assert self.writer is not None
         for finished in self.writer.results():
-            self._finish_write(finished, self.sessions.get(finished.key))
-        self._enforce_disk_budget()
+            own = dropping is not None and finished.key == dropping.key
+            self._finish_write(finished, dropping if own else self.sessions.get(finished.key))
 
     def _finish_write(self, finished: Finished, session: Session | None) -> None:
         self.kv.pool.release(reversed(finished.blocks))
@@ -414,9 +418,7 @@ class SessionManager:
         if self.writer is None:
             return
         self.writer.want(session.key, None)
-        for finished in self.writer.results():
-            # ``session`` may already be out of the table (being dropped).
-            self._finish_write(finished, session if finished.key == session.key else self.sessions.get(finished.key))
+        self._take_back_writes(dropping=session)  # ``session`` may already be out of the table
 
     def _set_file(self, session: Session, path: str, turn: int, stat: tuple[int, int] | None) -> None:
         self.disk_bytes -= session.disk_bytes
@@ -428,6 +430,8 @@ class SessionManager:
         return self.writer.file_lock if self.writer is not None else nullcontext()
 
     def _enforce_disk_budget(self) -> None:
+        if self.disk_bytes <= self.config.warm_disk_bytes:
+            return  # the usual case, and this runs on every engine step with a writer: no table walk
         # First the copies of hot and RAM-warm sessions: they are only insurance against
         # a crash; their session keeps ``write_submitted``, so the turn is not written again.
         for session in list(self.sessions.values()):
@@ -591,4 +595,3 @@ class SessionManager:
         with self._lock:
             hot = sum(len(s.hot_blocks) for s in self.sessions.values()) * self.kv.bytes_per_block
         return {HOT: hot, WARM: self.ram_bytes, DISK: self.disk_bytes}
-
