@@ -26,7 +26,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-
 from starlette.types import Receive, Scope, Send
 
 from ember.router.config import RouterConfig, normalize_upstream_url

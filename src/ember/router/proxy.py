@@ -310,6 +310,7 @@ class Proxy:
                     logger.info("request %s: client went away, upstream cancelled", request_id.decode("latin-1"))
                     return
                 left_s = deadline - clock()
+                past_deadline = False
                 try:
                     if left_s >= stall_s:
                         # The usual case: the read's own stall timeout comes first.
@@ -320,30 +321,26 @@ class Proxy:
                             chunk = await opened.chunks.__anext__()
                 except StopAsyncIteration:
                     break
-                except TimeoutError:
-                    verdict = Verdict.NEUTRAL  # a slow answer is no verdict on the replica's health
-                    await self._end_broken(send, is_sse, "The request deadline passed.", "deadline_exceeded")
-                    return
+                except TimeoutError:  # the asyncio.timeout above: the deadline
+                    past_deadline = True
                 except httpx.TransportError as exc:
-                    if isinstance(exc, httpx.TimeoutException) and clock() >= deadline:
-                        # The read timeout was the deadline (see _attempt), not a stall.
-                        verdict = Verdict.NEUTRAL
-                        await self._end_broken(send, is_sse, "The request deadline passed.", "deadline_exceeded")
+                    # A read timeout at the deadline was sized by it (see _attempt): not a stall.
+                    past_deadline = isinstance(exc, httpx.TimeoutException) and clock() >= deadline
+                    if not past_deadline:
+                        verdict = Verdict.FAILURE
+                        kind = "stream_stalled" if isinstance(exc, httpx.TimeoutException) else "stream_broken"
+                        self._metrics.upstream_error(opened.replica.url, kind)
+                        logger.warning(
+                            "request %s: upstream %s %s after the first byte: %s",
+                            request_id.decode("latin-1"),
+                            opened.replica.url,
+                            kind,
+                            type(exc).__name__,
+                        )
+                        message = "The upstream replica failed mid-response."
+                        await self._end_broken(send, is_sse, message, f"upstream_{kind}")
                         return
-                    verdict = Verdict.FAILURE
-                    kind = "stream_stalled" if isinstance(exc, httpx.TimeoutException) else "stream_broken"
-                    self._metrics.upstream_error(opened.replica.url, kind)
-                    logger.warning(
-                        "request %s: upstream %s %s after the first byte: %s",
-                        request_id.decode("latin-1"),
-                        opened.replica.url,
-                        kind,
-                        type(exc).__name__,
-                    )
-                    message = "The upstream replica failed mid-response."
-                    await self._end_broken(send, is_sse, message, f"upstream_{kind}")
-                    return
-                if clock() > deadline:
+                if past_deadline or clock() > deadline:
                     # Nothing that arrives after the deadline is forwarded. A slow
                     # answer is no verdict on the replica's health.
                     verdict = Verdict.NEUTRAL
