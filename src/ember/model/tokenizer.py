@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
 
 from ember.errors import ModelFormatError
-from ember.model.loader import TokenizerSource
+from ember.model.checkpoint import TokenizerSource
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -133,11 +135,15 @@ class Tokenizer:
         self.bos_token = self._tok.id_to_token(source.bos_token_id) if source.bos_token_id is not None else ""
         eos0 = source.eos_token_ids[0] if source.eos_token_ids else None
         self.eos_token = self._tok.id_to_token(eos0) if eos0 is not None else ""
-        self.chat_template_source = source.chat_template or DEFAULT_CHAT_TEMPLATE
-        self._template = _compile_template(self.chat_template_source)
-        self.special_token_ids = frozenset(
-            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
-        )
+        self.set_chat_template(source.chat_template or DEFAULT_CHAT_TEMPLATE)
+        self.special_token_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def set_chat_template(self, source: str) -> None:
+        """Render chats with ``source`` (Jinja); ``ModelFormatError`` if it does not compile."""
+        self._template = _compile_template(source)
+        self.chat_template_source = source
+        # A template that reads `tools` renders tool definitions itself (server/tools.py).
+        self.template_renders_tools = "tools" in _template_variables(source)
 
     @property
     def hf(self) -> HFTokenizer:
@@ -147,9 +153,9 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are parsed as such."""
         ids = self._tok.encode(text, add_special_tokens=False).ids
-        if (self.add_bos_token if add_bos is None else add_bos) and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id if (self.add_bos_token if add_bos is None else add_bos) else None
+        if bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -163,17 +169,24 @@ class Tokenizer:
         piece = self._tok.decode([token_id], skip_special_tokens=False)
         return piece.encode("utf-8", errors="surrogatepass")
 
-    def render_chat(self, messages: Sequence[ChatMessage | dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for ``messages`` according to the model's chat template."""
+    def render_chat(
+        self,
+        messages: Sequence[ChatMessage | dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for ``messages`` according to the chat template (``tools`` for templates that read them)."""
         from jinja2 import TemplateError
 
         rows = [m if isinstance(m, dict) else {"role": m.role, "content": m.content} for m in messages]
+        extra = {} if tools is None else {"tools": tools}
         try:
             return self._template.render(
                 messages=rows,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except TemplateError as exc:
             raise ValueError(f"The chat template rejected these messages: {exc}") from exc
@@ -185,6 +198,26 @@ class Tokenizer:
         """Ids of a rendered chat prompt. Templates usually write the BOS text
         themselves; a BOS id is added only when the model wants one and the text lacks it."""
         return self.encode(text, add_bos=self.add_bos_token and not text.startswith(self.bos_token or "\0"))
+
+
+def check_chat_template_file(path: str) -> str:
+    """The text of a ``--chat-template`` file; ``SystemExit`` with the reason if it is unreadable or invalid."""
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"--chat-template {path}: cannot read it ({exc})") from None
+    try:
+        _compile_template(source)
+    except ModelFormatError as exc:
+        raise SystemExit(f"--chat-template {path}: {exc}") from None
+    return source
+
+
+def _template_variables(source: str) -> set[str]:
+    """Names a template reads from its context (``tools``, ``messages`` ...)."""
+    from jinja2 import Environment, meta
+
+    return set(meta.find_undeclared_variables(Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)))
 
 
 def _compile_template(source: str) -> Any:
@@ -202,4 +235,4 @@ def _compile_template(source: str) -> Any:
     try:
         return env.from_string(source)
     except Exception as exc:
-        raise ModelFormatError(f"The model's chat template does not compile: {exc}") from exc
+        raise ModelFormatError(f"The chat template does not compile: {exc}") from exc
