@@ -102,6 +102,11 @@ class ServerConfig:
     served_model_name: str | None = None
     api_key: str | None = None
     profile: Literal["support", "creative"] = "support"
+    # Override the profile's and the model's sampling defaults (None: keep them).
+    default_temperature: float | None = None
+    default_top_p: float | None = None
+    # A Jinja chat template file used instead of the model's own.
+    chat_template: str | None = None
     max_tokens_limit: int = 1024
     request_timeout_s: float = 10.0
     max_body_bytes: int = 1024 * 1024
@@ -123,12 +128,39 @@ class ServerConfig:
     max_queued_tokens: int = 65_536
     max_running: int = 32
     per_key_concurrency: int = 0
-    # Degradation controller (see server/degrade.py).
-    slo_p99_s: float = 2.0
-    slo_window_s: float = 120.0
+    # Degradation controller (see server/degrade.py): it acts on overload
+    # signals only (queue wait, inter-token latency, a standing queue, and
+    # optionally TTFT), never on end-to-end latency, which a long answer on an
+    # idle server is entitled to.
+    slo_queue_p99_s: float = 1.0
+    slo_itl_p99_s: float = 0.25
     slo_ttft_p99_s: float | None = None
+    # Seconds a condition must hold (or be absent) before degrading (or recovering).
+    slo_window_s: float = 120.0
+    # Trailing window the p99s and the standing-queue check look at; shorter than slo_window_s.
+    slo_eval_window_s: float = 60.0
     slo_min_samples: int = 20
 
 
+@dataclass(frozen=True)
+class GenerationPreset:
+    """What a request gets for the fields it leaves out, by ``--profile``.
+
+    Support answers are short and near-deterministic, creative ones longer and
+    warmer. temperature 0.2 / top_p 0.9 is what SmolLM2's model card samples
+    its instruct models with. A model's own recommendation
+    (generation_config.json) takes precedence over the preset's sampling
+    values, and ``--default-temperature`` / ``--default-top-p`` over both.
+    """
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+
+
+PROFILE_PRESETS: dict[str, GenerationPreset] = {
+    "support": GenerationPreset(max_tokens=80, temperature=0.2, top_p=0.9),
+    "creative": GenerationPreset(max_tokens=300, temperature=0.8, top_p=0.95),
+}
 # max_tokens applied when a request does not set one, by --profile.
-MAX_TOKENS_PRESETS: dict[str, int] = {"support": 80, "creative": 300}
+MAX_TOKENS_PRESETS: dict[str, int] = {name: preset.max_tokens for name, preset in PROFILE_PRESETS.items()}

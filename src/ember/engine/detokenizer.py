@@ -41,7 +41,9 @@ class Detokenizer:
     def start(self, num_prompt_tokens: int) -> DetokenizerState:
         return DetokenizerState(prefix_offset=max(0, num_prompt_tokens - _CONTEXT_TOKENS), read_offset=num_prompt_tokens)
 
-    def step(self, state: DetokenizerState, token_ids: list[int], stop: list[str], include_stop: bool, skip_special: bool, finished: bool) -> tuple[str, str | None]:
+    def step(
+        self, state: DetokenizerState, token_ids: list[int], stop: list[str], include_stop: bool, skip_special: bool, finished: bool
+    ) -> tuple[str, str | None]:
         """Decode the tokens added since the last call.
 
         Returns ``(delta, matched_stop)``: the text now safe to emit, and the

@@ -9,20 +9,25 @@ thread-safe: ``AsyncEngine`` calls it from its own thread only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from ember.config import EngineConfig, SessionConfig
+from ember.engine import compute_threads
+from ember.engine.block_pool import Block
+from ember.engine.constraints import Constraint, GrammarCompiler
 from ember.engine.detokenizer import Detokenizer
 from ember.engine.kv_cache import KVCacheManager
-from ember.engine.request import FinishReason, Priority, Request, RequestOutput, RequestStatus
+from ember.engine.request import FinishReason, Priority, Request, RequestOutput, RequestStatus, TokenLogprob
 from ember.engine.runner import ModelRunner
 from ember.engine.sampling import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sessions import SessionManager
+from ember.engine.stats import EngineCounters, EngineInfo, EngineSnapshot
 from ember.errors import ContextLengthExceededError, EmberError, InvalidSamplingParamsError
+from ember.kernels import cpu as cpu_kernels
 from ember.model.llama import LlamaModel
 from ember.model.loader import LoadedModel, load_model
 from ember.model.tokenizer import Tokenizer
@@ -30,23 +35,12 @@ from ember.model.tokenizer import Tokenizer
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@dataclass
-class EngineStats:
-    """Monotonic counters since start (the server exports them as metrics)."""
-
-    steps: int = 0
-    # Tokens run through the model as prompt chunks (prefix hits excluded).
-    prefill_tokens_computed: int = 0
-    generation_tokens: int = 0
-    preemptions: int = 0
-    finished: int = 0
-    aborted: int = 0
-    timed_out: int = 0
-    busy_seconds: float = 0.0
-
-
 class LLMEngine:
-    """Loads a model and runs requests to completion with continuous batching."""
+    """Loads a model and runs requests to completion with continuous batching.
+
+    The thread that constructs the engine becomes its compute thread
+    (``compute_threads``): build it on the thread that will call ``step``.
+    """
 
     def __init__(
         self,
@@ -58,8 +52,8 @@ class LLMEngine:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config = config or EngineConfig()
-        if config.threads > 0:
-            torch.set_num_threads(config.threads)
+        kernels = cpu_kernels.load() if torch.device(config.device).type == "cpu" else None
+        compute_threads.claim_for_engine(config.threads, [kernels] if kernels is not None else [])
         if config.dtype not in _DTYPES:
             raise InvalidSamplingParamsError(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}", "dtype")
         self.clock = clock
@@ -68,23 +62,38 @@ class LLMEngine:
         self.model_path = loaded.path
         self.fingerprint = loaded.fingerprint
         self.model_config = loaded.config
+        self.generation_defaults = dict(loaded.generation_defaults)
         self.tokenizer = Tokenizer(loaded.tokenizer)
         self.dtype = _DTYPES[config.dtype]
         self.device = torch.device(config.device)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
         self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, config.quantization, self.device, self.max_model_len)
         self.kv = KVCacheManager(loaded.config, config, self.dtype, self.device)
-        self.scheduler = Scheduler(config, self.kv)
+        self.scheduler = Scheduler(config, self.kv, self._lookup_prefix)
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.detokenizer = Detokenizer(self.tokenizer.hf)
         self.sessions: SessionManager | None = None
         if sessions is not None and sessions.enabled and config.enable_prefix_caching:
             decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-            self.sessions = SessionManager(sessions, self.kv, self.fingerprint, decode, clock)
-            self.kv.tiers = self.sessions
+            self.sessions = SessionManager(sessions, self.kv, self.fingerprint, decode, clock, busy=lambda: bool(self.scheduler.running))
+            self.kv.on_pressure = self.sessions.relieve_pressure
+        # Requests waiting for their conversation's KV to be read from disk (not yet schedulable).
+        self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
         self.eos_token_ids = self.tokenizer.eos_token_ids
+        self._grammar: GrammarCompiler | None = None
+
+    @property
+    def grammar(self) -> GrammarCompiler:
+        """Compiles response formats and tool grammars for this model's vocabulary.
+
+        Built on first use (~0.3 s); raises ``GrammarUnavailableError`` without
+        the ``ember[structured]`` extra. ``compile`` is safe from any thread.
+        """
+        if self._grammar is None:
+            self._grammar = GrammarCompiler(self.tokenizer.hf, self.model_config.vocab_size, self.eos_token_ids)
+        return self._grammar
 
     # -- requests --------------------------------------------------------------
 
@@ -98,8 +107,9 @@ class LLMEngine:
         deadline: float | None = None,
         session_id: str | None = None,
         arrival_time: float | None = None,
+        constraint: Constraint | None = None,
     ) -> Request:
-        """Queue a request. Raises ``ContextLengthExceededError`` or ``InvalidSamplingParamsError``."""
+        """Queue a request (``constraint``: a grammar its output must follow). Raises ``ContextLengthExceededError`` or ``InvalidSamplingParamsError``."""
         if request_id in self.requests:
             raise EmberError(f"request id {request_id!r} is already running")
         prompt = list(prompt_token_ids)
@@ -114,11 +124,34 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
             session_id=session_id,
+            constraint=constraint,
         )
         request.detok = self.detokenizer.start(len(prompt))
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if self.sessions is not None and self.sessions.restorer.begin_restore(request):
+            self.loading[request_id] = request  # scheduled once the storage thread has copied its warm KV back
+        else:
+            self.scheduler.add(request)
         return request
+
+    def _lookup_prefix(self, request: Request) -> list[Block]:
+        """The request's cached prefix at admission: blocks in the pool, then warm blocks restored
+        into it; sets ``request.cache_tier`` and ``request.cached_tokens_by_tier``."""
+        hits = self.kv.find_cached_prefix(request)
+        bs = self.kv.block_size
+        by_tier = {"hot": len(hits) * bs} if hits else {}
+        pins = self.sessions.restorer.take_pins(request.request_id) if self.sessions is not None else None
+        if pins is not None:
+            # The restored blocks follow the pooled prefix the request had when it arrived.
+            restored = max(0, min(len(hits), pins.start + len(pins.blocks)) - pins.start)
+            if restored:
+                by_tier = {"hot": min(len(hits), pins.start) * bs, pins.tier: restored * bs}
+                by_tier = {tier: n for tier, n in by_tier.items() if n}
+            # The admission references the hits right after this lookup; nothing allocates in between.
+            self.kv.pool.release(pins.blocks)
+        request.cached_tokens_by_tier = by_tier
+        request.cache_tier = max(by_tier, key=by_tier.__getitem__) if by_tier else "cold"
+        return hits
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """Validate a prompt against the context and the pool; raise a named error."""
@@ -127,8 +160,10 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt):
             raise InvalidSamplingParamsError(f"Prompt token ids must be in [0, {vocab}).", "prompt")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise InvalidSamplingParamsError(f"logit_bias token ids must be in [0, {vocab}).", "logit_bias")
         wanted = params.max_tokens or 1
-        if len(prompt) + max(wanted, params.min_tokens) > self.max_model_len:
+        if len(prompt) + max(wanted, params.min_tokens) > self.max_model_len:  # noqa: SIM102 (two reasons, one error)
             if len(prompt) >= self.max_model_len or params.max_tokens is not None:
                 raise ContextLengthExceededError(len(prompt), wanted, self.max_model_len)
         capacity = self.kv.capacity_tokens
@@ -155,16 +190,25 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine iteration; returns an output for every request that changed."""
         outputs: list[RequestOutput] = []
+        compute_threads.keep_engine_count()
         now = self.clock()
         if self.sessions is not None:
             self.sessions.tick()
+            for request_id in self.sessions.restorer.take_ready():
+                if (waiting := self.loading.pop(request_id, None)) is not None:
+                    self.scheduler.add(waiting)
+                elif (pins := self.sessions.restorer.take_pins(request_id)) is not None:
+                    self.kv.pool.release(pins.blocks)  # its request ended while the copy ran
         for request in [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]:
             outputs.append(self._finish(request, FinishReason.TIMEOUT, "timeout", ""))
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
+            if self.loading and self.sessions is not None:
+                self.sessions.storage.wait(0.002)  # only restores in flight: wait for one instead of spinning
             return outputs
         started = time.perf_counter()
+        scheduled_at = self.clock()  # "scheduled" is when its first step began, not when it ended
         result = self.runner.execute(sched)
         self.stats.busy_seconds += time.perf_counter() - started
         self.stats.steps += 1
@@ -173,7 +217,7 @@ class LLMEngine:
         for item in (*sched.decodes, *sched.prefills):
             request = item.request
             if request.times.scheduled is None:
-                request.times.scheduled = now
+                request.times.scheduled = scheduled_at
             request.num_computed_tokens += item.num_new_tokens
             self.kv.register_computed_blocks(request)
         for request_id, token in result.sampled.items():
@@ -181,7 +225,7 @@ class LLMEngine:
             outputs.append(self._append_token(request, token, result.logprobs.get(request_id), now))
         return outputs
 
-    def _append_token(self, request: Request, token: int, logprob, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
         request.token_ids.append(token)
         self.stats.generation_tokens += 1
         if logprob is not None:
@@ -195,6 +239,8 @@ class LLMEngine:
         if token in request.stop_token_ids and request.num_output_tokens >= p.min_tokens:
             reason = FinishReason.STOP
             stop_reason = None if token in self.eos_token_ids and not p.ignore_eos else token
+        elif request.constraint is not None and _grammar_done(request.constraint, token):
+            reason = FinishReason.STOP
         elif request.num_output_tokens >= request.max_tokens or request.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         stop_strings = p.stop if request.num_output_tokens >= p.min_tokens else []
@@ -207,7 +253,9 @@ class LLMEngine:
             return self._finish(request, reason, stop_reason, delta, new_token=token)
         return self._output(request, delta, [token], None)
 
-    def _finish(self, request: Request, reason: FinishReason, stop_reason: str | int | None, delta: str, new_token: int | None = None) -> RequestOutput:
+    def _finish(
+        self, request: Request, reason: FinishReason, stop_reason: str | int | None, delta: str, new_token: int | None = None
+    ) -> RequestOutput:
         if reason in (FinishReason.ABORT, FinishReason.TIMEOUT) and request.detok is not None:
             tail, _ = self.detokenizer.step(request.detok, request.token_ids, [], False, request.params.skip_special_tokens, True)
             delta += tail
@@ -218,6 +266,9 @@ class LLMEngine:
         if self.sessions is not None and request.session_id is not None:
             self.sessions.on_request_finished(request, self.kv.blocks_of(request))
         self.scheduler.remove(request)
+        self.loading.pop(request.request_id, None)
+        if self.sessions is not None and (pins := self.sessions.restorer.take_pins(request.request_id)) is not None:
+            self.kv.pool.release(pins.blocks)  # restored for an admission that never came
         self.requests.pop(request.request_id, None)
         self.stats.finished += 1
         if reason == FinishReason.ABORT:
@@ -248,3 +299,52 @@ class LLMEngine:
 
     def kv_usage(self) -> float:
         return self.kv.pool.usage()
+
+    def info(self) -> EngineInfo:
+        c = self.config
+        return EngineInfo(
+            model_name=self.model_name,
+            fingerprint=self.fingerprint,
+            max_model_len=self.max_model_len,
+            block_size=self.kv.block_size,
+            kv_cache_bytes=self.kv.total_bytes,
+            kv_capacity_tokens=self.kv.capacity_tokens,
+            dtype=c.dtype,
+            quantization=c.quantization,
+            threads=torch.get_num_threads(),
+            sessions_enabled=self.sessions is not None,
+            session_dir=self.sessions.config.session_dir if self.sessions is not None else None,
+            vocab_size=self.model_config.vocab_size,
+            generation_defaults=dict(self.generation_defaults),
+        )
+
+    def snapshot(self, with_sessions: bool = True) -> EngineSnapshot:
+        """The engine's state now, as a frozen object other threads may read (engine thread only)."""
+        kv, sessions = self.kv, self.sessions
+        session_stats: dict[str, dict[str, int]] = {}
+        if with_sessions and sessions is not None:
+            session_stats = {
+                "session_counts": sessions.policy.counts(),
+                "session_bytes": sessions.tier_bytes(),
+                "session_events": dict(sessions.events),
+            }
+        return EngineSnapshot(
+            at=self.clock(),
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            kv_usage=kv.pool.usage(),
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            counters=replace(self.stats),
+            prefix_query_tokens=kv.prefix_queries_tokens,
+            prefix_hit_tokens=dict(kv.prefix_hit_tokens),
+            **session_stats,
+        )
+
+
+def _grammar_done(constraint: Constraint, token: int) -> bool:
+    """Advance a request's grammar past ``token``; True once the output is complete.
+
+    A token the grammar refuses cannot be sampled from its own mask; should one
+    arrive anyway the request stops rather than run on unconstrained.
+    """
+    return not constraint.accept(token) or constraint.is_terminated()

@@ -7,7 +7,7 @@ The pool is sized from a byte budget, preallocated once.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -16,9 +16,6 @@ from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block, BlockPool, hash_block
 from ember.engine.request import Request
 from ember.kernels import cpu as cpu_kernels
-
-if TYPE_CHECKING:
-    from ember.engine.sessions import SessionManager
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -45,8 +42,9 @@ class KVCacheManager:
         # Counters (tokens): how much prompt work the prefix cache saved, by tier.
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens: dict[str, int] = {}
-        # Session tiers behind the pool (engine/sessions.py), when enabled.
-        self.tiers: "SessionManager | None" = None
+        # Called when an allocation does not fit: frees something (True) or cannot (False).
+        # The engine wires it to the session tiers, which demote a hot conversation.
+        self.on_pressure: Callable[[], bool] | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -74,12 +72,10 @@ class KVCacheManager:
     # -- prefix lookup -------------------------------------------------------
 
     def find_cached_prefix(self, request: Request) -> list[Block]:
-        """Longest run of cached blocks matching the request's first tokens.
+        """Longest run of blocks in the pool matching the request's first tokens (changes nothing).
 
-        Looks in the pool first (hot), then asks the session tiers to restore
-        the following blocks from warm storage. At least one token is left
-        uncached so the model produces the logits of the last position. Sets
-        ``request.cache_tier`` and ``request.cached_tokens_by_tier``.
+        At least one token is left uncached so the model produces the logits
+        of the last position.
         """
         if not self.enable_prefix_caching:
             return []
@@ -92,16 +88,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        by_tier = {"hot": len(hits) * bs} if hits else {}
-        if self.tiers is not None and len(hits) < limit:
-            self.pool.touch(hits)  # restoring allocates: the hits must not be evicted meanwhile
-            restored, tier = self.tiers.restore_prefix(request, len(hits), hashes[:limit])
-            self.pool.release(hits)
-            if restored:
-                hits.extend(restored)
-                by_tier[tier] = len(restored) * bs
-        request.cached_tokens_by_tier = by_tier
-        request.cache_tier = max(by_tier, key=by_tier.get) if by_tier else "cold"
         return hits
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -126,8 +112,14 @@ class KVCacheManager:
                 )
         return ws.pack(self.read_blocks(block_ids), fmt)
 
-    def write_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        self._block_view()[:, :, block_ids] = data.to(self.kv.dtype)
+    def write_blocks(self, block_ids: list[int], data: torch.Tensor, layer: int | None = None) -> None:
+        """Copy ``data`` (layers, 2, n, ...) into the blocks, or (2, n, ...) into one ``layer``'s."""
+        view = self._block_view()
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
+        if layer is None:
+            view[:, :, index] = data.to(self.kv.dtype)
+        else:
+            view[layer][:, index] = data.to(self.kv.dtype)
 
     def _block_view(self) -> torch.Tensor:
         l, two, _, heads, dim = self.kv.shape
@@ -150,7 +142,7 @@ class KVCacheManager:
         """
         while not self.can_allocate(request, num_new_tokens, cached):
             # Under pressure, hot sessions give up their protection before anyone is preempted.
-            if self.tiers is None or not self.tiers.relieve_pressure():
+            if self.on_pressure is None or not self.on_pressure():
                 return False
         blocks = self._blocks.setdefault(request.request_id, [])
         if cached:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import Any, cast
 
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
@@ -50,17 +51,24 @@ class LLM:
             return self.tokenizer.encode(prompt)
         if prompt and isinstance(prompt[0], dict):
             return self.tokenizer.encode_chat(prompt)  # type: ignore[arg-type]
-        return [int(t) for t in prompt]  # type: ignore[union-attr]
+        return [int(t) for t in cast(Sequence[int], prompt)]
 
-    def generate(self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[CompletionOutput]:
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> list[CompletionOutput]:
         """Run every prompt to completion with continuous batching; results in input order."""
-        params_list = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(params)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(params_list)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
         order: dict[str, int] = {}
         texts: dict[str, list[str]] = {}
         prompt_ids: dict[str, list[int]] = {}
         finals: dict[str, RequestOutput] = {}
         requests = {}
-        for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
             request_id = f"llm-{next(self._ids)}"
             ids = self.encode(prompt)
             requests[request_id] = self.engine.add_request(request_id, ids, p)

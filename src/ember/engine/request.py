@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ember.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from ember.engine.constraints import Constraint
 
 
 class RequestStatus(enum.Enum):
@@ -79,6 +82,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         max_model_len: int,
         session_id: str | None = None,
+        constraint: Constraint | None = None,
     ) -> None:
         self.request_id = request_id
         self.params = params
@@ -111,6 +115,8 @@ class Request:
         self.stop_token_ids = frozenset(stop_ids)
         budget = max_model_len - self.num_prompt_tokens
         self.max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        # Grammar the output must follow (engine/constraints.py); None for free text.
+        self.constraint = constraint
         # Detokenizer state; owned by detokenizer.py.
         self.detok: Any = None
         # Sequence number for FIFO order within a priority.

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ember.engine.constraints import fill_token_masks
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, TokenLogprob
 from ember.engine.sampler import Sampler
@@ -34,10 +35,13 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run every scheduled token through the model; sample where a sequence caught up."""
         input_ids, positions, meta, logit_rows, sampled_requests = self._prepare(sched)
+        # Grammar masks depend only on tokens already accepted: computed apart
+        # from the sampler so they can overlap the forward pass.
+        masks = fill_token_masks([r.constraint for r in sampled_requests], self.model.config.vocab_size)
         logits = self.model(input_ids, positions, meta, self.kv.layer_caches, logit_rows)
         out = RunnerOutput(num_tokens=int(input_ids.shape[0]))
         if sampled_requests:
-            tokens, logprobs = self.sampler(logits, sampled_requests)
+            tokens, logprobs = self.sampler(logits, sampled_requests, masks)
             for request, token, lp in zip(sampled_requests, tokens, logprobs):
                 out.sampled[request.request_id] = token
                 if lp is not None:

@@ -1,6 +1,8 @@
 """Pick each sequence's next token from its logits.
 
-Order of operations per row (vLLM/OpenAI semantics): penalties (repetition over
+Order of operations per row (vLLM/OpenAI semantics): ``logit_bias`` added and,
+on rows that follow a grammar, disallowed tokens set to -inf (the masks come
+precomputed from ``engine/constraints.py``); then penalties (repetition over
 prompt and output, presence and frequency over output), min_tokens (stop ids
 masked until reached), then greedy argmax, or temperature, top-k, top-p, min-p
 and a draw from the request's own generator. Seeded requests therefore give the
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ember.engine.constraints import TokenMasks
 from ember.engine.request import Request, TokenLogprob
 
 # top-p looks at this many best tokens first and sorts the full vocabulary only
@@ -24,8 +27,12 @@ _TOP_P_CANDIDATES = 1024
 class Sampler:
     """Stateless; the state that matters (generators, counts) lives on requests."""
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Sample one token per row of ``logits`` (N, V), float32."""
+    def __call__(
+        self, logits: torch.Tensor, requests: list[Request], masks: TokenMasks | None = None
+    ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """Sample one token per row of ``logits`` (N, V), float32; ``masks`` restrict the constrained rows."""
+        raw = logits
+        logits = _restrict(logits, requests, masks)
         fast = all(
             r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None and not self._masks_stop(r)
             for r in requests
@@ -35,8 +42,9 @@ class Sampler:
 
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-        logits = logits.clone()
+            raw_logprobs = torch.log_softmax(raw, dim=-1)
+        if logits is raw:
+            logits = logits.clone()
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         for i, request in enumerate(requests):
@@ -54,7 +62,9 @@ class Sampler:
 
     @staticmethod
     def _masks_stop(request: Request) -> bool:
-        return request.num_output_tokens < request.params.min_tokens and bool(request.stop_token_ids)
+        # A grammar decides on its own when the output may end (min_tokens would
+        # otherwise mask the only token a complete match allows).
+        return request.num_output_tokens < request.params.min_tokens and bool(request.stop_token_ids) and request.constraint is None
 
     @staticmethod
     def _apply_penalties(row: torch.Tensor, request: Request) -> None:
@@ -85,6 +95,22 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=request.generator))
+
+
+def _restrict(logits: torch.Tensor, requests: list[Request], masks: TokenMasks | None) -> torch.Tensor:
+    """``logits`` with each row's logit_bias added and its grammar mask applied (a copy if anything changes)."""
+    biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
+    if not biased and masks is None:
+        return logits
+    logits = logits.clone()
+    for i in biased:
+        bias = requests[i].params.logit_bias
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    if masks is not None:
+        rows = torch.tensor(masks.rows, dtype=torch.long, device=logits.device)
+        logits[rows] = logits[rows].masked_fill(~masks.allowed.to(logits.device), float("-inf"))
+    return logits
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ember.errors import InvalidSamplingParamsError
 
@@ -12,6 +13,8 @@ MAX_TOP_LOGPROBS = 20
 GREEDY_TEMPERATURE = 1e-5
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+# OpenAI's own limit on logit_bias entries.
+MAX_LOGIT_BIAS_ENTRIES = 300
 
 
 @dataclass
@@ -40,10 +43,13 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # OpenAI logit_bias: token id -> value in [-100, 100] added to its logit.
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
+        stop: Any = self.stop  # callers may pass one string for convenience, whatever the annotation says
+        if isinstance(stop, str):
+            self.stop = [stop]
         self.stop = [s for s in self.stop if s]
         self.validate()
 
@@ -91,3 +97,10 @@ class SamplingParams:
             fail("stop", f"stop sequences are limited to {MAX_STOP_STRING_CHARS} characters.")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             fail("stop_token_ids", "stop_token_ids must be non-negative integers.")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            fail("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(self.logit_bias)}.")
+        for token, value in self.logit_bias.items():
+            if not isinstance(token, int) or token < 0:
+                fail("logit_bias", f"logit_bias keys must be token ids (non-negative integers), got {token!r}.")
+            if not -100.0 <= value <= 100.0:
+                fail("logit_bias", f"logit_bias values must be between -100 and 100, got {value} for token {token}.")

@@ -17,9 +17,11 @@ front of its priority class, to be recomputed (mostly from the prefix cache).
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ember.config import EngineConfig
+from ember.engine.block_pool import Block
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request, RequestStatus
 
@@ -50,10 +52,12 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and the running set; see the module docstring."""
 
-    def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, lookup_prefix: Callable[[Request], list[Block]] | None = None) -> None:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
         self.kv = kv
+        # Where an admitted request's cached prefix comes from: the pool, or the pool and the session tiers.
+        self.lookup_prefix = lookup_prefix or kv.find_cached_prefix
         # Sorted by (priority, seq_no): the head is the next to admit.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -117,7 +121,7 @@ class Scheduler:
         # Admit waiting requests, unless this step already had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            cached = self.kv.find_cached_prefix(request) if request.num_computed_tokens == 0 else []
+            cached = self.lookup_prefix(request) if request.num_computed_tokens == 0 else []
             num_cached = len(cached) * self.kv.block_size
             n = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate(request, n, cached):

@@ -771,6 +771,17 @@ std::vector<Tensor> pack_kv_int8(Tensor kv, Tensor block_ids, int64_t head_dim) 
   return {data, scales};
 }
 
+// ATen keeps, per shared library and per thread, a flag saying whether the
+// thread's torch thread count was initialised; the first at::parallel_for of
+// this library on a thread sets that thread's count to the process-wide value
+// (the last torch.set_num_threads anywhere). The engine thread calls this once
+// after claiming its count, so that a later single-threaded default for other
+// threads never reaches it (engine/compute_threads.py). Returns the count.
+int64_t claim_threads() {
+  at::internal::lazy_init_num_threads();
+  return at::get_num_threads();
+}
+
 // Every kernel runs without the GIL: the engine thread spends most of a step in
 // here, and the server's event loop (same process) must keep accepting,
 // refusing and streaming meanwhile. Arguments are converted before the release.
@@ -782,6 +793,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("packed_max_rows") = 0;
 #endif
+  m.def("claim_threads", &claim_threads);
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());
