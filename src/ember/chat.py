@@ -13,19 +13,18 @@ import os
 import sys
 from typing import TextIO
 
-from ember.config import ServerConfig
-
-_DEFAULT_URL = f"http://{ServerConfig().host}:{ServerConfig().port}/v1"
+from ember.client.defaults import DEFAULT_BASE_URL
+from ember.client.results import ChatResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("chat", help="chat in the terminal with a server", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--url", default=os.environ.get("EMBER_URL", _DEFAULT_URL), help="OpenAI-compatible base URL (env EMBER_URL)")
+    p.add_argument("--url", default=os.environ.get("EMBER_URL", DEFAULT_BASE_URL), help="OpenAI-compatible base URL (env EMBER_URL)")
     p.add_argument("--model", default=None, help="model id (default: the server's first model)")
     p.add_argument("--api-key", default=os.environ.get("EMBER_API_KEY"), help="API key (env EMBER_API_KEY)")
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--max-tokens", type=int, default=None, help="per-reply max_tokens (default: the server's preset)")
-    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default: the server's, see its /v1/models)")
     p.set_defaults(func=run_chat)
 
 
@@ -33,7 +32,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO
     from ember.client import Client, EmberClientError
 
     interactive = stdin.isatty()
-    params = {"temperature": args.temperature}
+    params = {} if args.temperature is None else {"temperature": args.temperature}
     if args.max_tokens is not None:
         params["max_tokens"] = args.max_tokens
     with Client(args.url, api_key=args.api_key, model=args.model) as client:
@@ -70,7 +69,7 @@ def run_chat(args: argparse.Namespace, stdin: TextIO = sys.stdin, stdout: TextIO
     return 0
 
 
-def _stats_line(result) -> str:
+def _stats_line(result: ChatResult) -> str:
     tokens = result.usage.completion_tokens if result.usage else 0
     ttft = result.ttft_s or 0.0
     decode_s = max(result.latency_s - ttft, 1e-9)

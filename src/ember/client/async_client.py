@@ -12,20 +12,17 @@ from collections.abc import Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal
 
+from ember import __version__ as ember_version
 from ember.client.batch import BatchRequest, run_batch
 from ember.client.call import Call, RequestSpec, Timeouts
 from ember.client.conversation import AsyncConversation
+from ember.client.defaults import DEFAULT_BASE_URL, api_key_from_env
 from ember.client.errors import EmberClientError
 from ember.client.failover import Endpoints
 from ember.client.results import ChatResult, WarmupResult
 from ember.client.retry import RetryPolicy
 from ember.client.streaming import AsyncChatStream, ResultCallback
 from ember.client.transport import TransportName, make_transport
-from ember import __version__ as ember_version
-from ember.config import ServerConfig
-
-DEFAULT_BASE_URL = f"http://{ServerConfig.host}:{ServerConfig.port}/v1"
-API_KEY_ENV_VARS = ("EMBER_API_KEY", "OPENAI_API_KEY")
 
 Message = Mapping[str, Any]
 Messages = str | Sequence[Message]
@@ -88,7 +85,7 @@ class AsyncClient:
         self.retry = retry
         self.timeouts = timeouts
         self.include_usage = include_usage
-        api_key = api_key or next((os.environ[v] for v in API_KEY_ENV_VARS if os.environ.get(v)), None)
+        api_key = api_key or api_key_from_env()
         default_headers = {
             "Accept": "application/json, text/event-stream",
             # A compressed stream would sit in the server's compressor instead of reaching us token by token.
@@ -117,9 +114,7 @@ class AsyncClient:
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -143,9 +138,7 @@ class AsyncClient:
         """A legacy ``/completions`` call with a plain-text prompt; returns the whole answer."""
         return await self._stream("/completions", {"prompt": prompt}, params).collect()
 
-    async def batch(
-        self, requests: Iterable[BatchRequest], *, concurrency: int = 8, **params: Any
-    ) -> list[ChatResult | Exception]:
+    async def batch(self, requests: Iterable[BatchRequest], *, concurrency: int = 8, **params: Any) -> list[ChatResult | Exception]:
         """Run many chats, at most ``concurrency`` at once, over this client's pool.
 
         Each request is a message list, a string, or a mapping of ``chat`` keywords
@@ -155,9 +148,7 @@ class AsyncClient:
         """
         return await run_batch(self.chat, requests, concurrency=concurrency, params=params)
 
-    async def warmup(
-        self, connections: int = 1, *, probe: Literal["models", "chat"] = "models"
-    ) -> list[WarmupResult]:
+    async def warmup(self, connections: int = 1, *, probe: Literal["models", "chat"] = "models") -> list[WarmupResult]:
         """Open ``connections`` pooled connections to every base URL before real traffic.
 
         Each connection carries one small request (``GET /models``, or a 1-token
@@ -170,20 +161,14 @@ class AsyncClient:
             raise ValueError(f"connections must be >= 1, got {connections}")
         return list(await asyncio.gather(*(self._warm(url, connections, probe) for url in self.base_urls)))
 
-    def conversation(
-        self, system: str | None = None, *, session_id: str | None = None, **params: Any
-    ) -> AsyncConversation:
+    def conversation(self, system: str | None = None, *, session_id: str | None = None, **params: Any) -> AsyncConversation:
         """A chat that keeps its history and a session id (``X-Session-ID``) so the server keeps its cache hot."""
         return AsyncConversation(self, system=system, session_id=session_id, **params)
 
-    def _stream_chat(
-        self, messages: Messages, params: dict[str, Any], on_result: ResultCallback | None = None
-    ) -> AsyncChatStream:
+    def _stream_chat(self, messages: Messages, params: dict[str, Any], on_result: ResultCallback | None = None) -> AsyncChatStream:
         return self._stream("/chat/completions", {"messages": _as_messages(messages)}, params, on_result)
 
-    def _stream(
-        self, path: str, body: dict[str, Any], params: dict[str, Any], on_result: ResultCallback | None = None
-    ) -> AsyncChatStream:
+    def _stream(self, path: str, body: dict[str, Any], params: dict[str, Any], on_result: ResultCallback | None = None) -> AsyncChatStream:
         return AsyncChatStream(self._new_call(path, body, params), on_result=on_result)
 
     def _new_call(self, path: str, body: dict[str, Any], params: dict[str, Any]) -> Call:

@@ -214,7 +214,7 @@ class Call:
         budget_s, timeout_kind, timeout_message = self._budget()
         try:
             return await asyncio.wait_for(awaitable, timeout=None if budget_s == math.inf else max(budget_s, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise self.error(timeout_kind, timeout_message) from None
         except Exception as exc:
             translated = self.transport.translate(self, exc)
@@ -241,4 +241,3 @@ class Call:
     def error(self, kind: type[EmberClientError], message: str, **fields: Any) -> EmberClientError:
         """An error of ``kind`` carrying this call's request id, attempt count and base URL."""
         return kind(message, request_id=self.request_id, attempts=self.attempts, base_url=self.base_url, **fields)
-

@@ -7,20 +7,31 @@ shared by many threads: their calls run concurrently on that loop over one pool.
 
 from __future__ import annotations
 
-import ssl
-from collections.abc import Iterable, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterable
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec
 
 from ember.client.async_client import AsyncClient, Messages
 from ember.client.batch import BatchRequest
-from ember.client.call import Timeouts
 from ember.client.conversation import Conversation
 from ember.client.loop_thread import LoopThread
 from ember.client.results import ChatResult, WarmupResult
-from ember.client.retry import RetryPolicy
 from ember.client.streaming import ChatStream, ResultCallback
-from ember.client.transport import TransportName
+
+P = ParamSpec("P")
+
+
+def _same_options_as(
+    source: Callable[Concatenate[Any, P], None],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[Any, P], None]]:
+    """Give the decorated ``__init__`` the parameters of ``source``: to type checkers and to ``inspect.signature``."""
+
+    def apply(init: Callable[..., None]) -> Callable[Concatenate[Any, P], None]:
+        init.__signature__ = inspect.signature(source)  # type: ignore[attr-defined]
+        return init
+
+    return apply
 
 
 class Client:
@@ -38,34 +49,12 @@ class Client:
     Close it (``close()`` or ``with``): it owns a connection pool and a thread.
     """
 
-    def __init__(
-        self,
-        base_url: str | None = None,
-        *,
-        base_urls: Sequence[str] | None = None,
-        api_key: str | None = None,
-        model: str | None = None,
-        http2: bool = False,
-        transport: TransportName | None = None,
-        retry: RetryPolicy = RetryPolicy(),
-        timeouts: Timeouts = Timeouts(),
-        failover_cooldown_s: float = 30.0,
-        max_connections: int = 100,
-        keepalive_expiry_s: float = 60.0,
-        headers: Mapping[str, str] | None = None,
-        priority: str | int | None = None,
-        include_usage: bool = True,
-        verify: ssl.SSLContext | str | bool = True,
-    ) -> None:
-        options = dict(
-            base_urls=base_urls, api_key=api_key, model=model, http2=http2, transport=transport, retry=retry, timeouts=timeouts,
-            failover_cooldown_s=failover_cooldown_s, max_connections=max_connections,
-            keepalive_expiry_s=keepalive_expiry_s, headers=headers, priority=priority,
-            include_usage=include_usage, verify=verify,
-        )  # fmt: skip
+    @_same_options_as(AsyncClient.__init__)
+    def __init__(self, *args: Any, **options: Any) -> None:
+        """The options of ``AsyncClient``, one definition for both clients (type checkers and ``help()`` see them)."""
         self._loop = LoopThread()
         try:
-            self._async = self._loop.run(_create_async_client(base_url, options))
+            self._async = self._loop.run(_create_async_client(*args, **options))
         except BaseException:
             self._loop.close()
             raise
@@ -82,9 +71,7 @@ class Client:
     def __enter__(self) -> Client:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     def close(self) -> None:
@@ -108,9 +95,7 @@ class Client:
         """A legacy ``/completions`` call; returns the whole answer."""
         return self._loop.run(self._async.complete(prompt, **params))
 
-    def batch(
-        self, requests: Iterable[BatchRequest], *, concurrency: int = 8, **params: Any
-    ) -> list[ChatResult | Exception]:
+    def batch(self, requests: Iterable[BatchRequest], *, concurrency: int = 8, **params: Any) -> list[ChatResult | Exception]:
         """Run many chats, at most ``concurrency`` at once; per-item results or errors in input order.
 
         Runs as coroutines on the client's loop thread (not one thread per
@@ -126,12 +111,10 @@ class Client:
         """A chat that keeps its history and a session id (``X-Session-ID``)."""
         return Conversation(self, system=system, session_id=session_id, **params)
 
-    def _stream_chat(
-        self, messages: Messages, params: dict[str, Any], on_result: ResultCallback | None = None
-    ) -> ChatStream:
+    def _stream_chat(self, messages: Messages, params: dict[str, Any], on_result: ResultCallback | None = None) -> ChatStream:
         return ChatStream(self._async._stream_chat(messages, params, on_result), self._loop)
 
 
-async def _create_async_client(base_url: str | None, options: dict[str, Any]) -> AsyncClient:
+async def _create_async_client(*args: Any, **options: Any) -> AsyncClient:
     # Built on the loop thread, where it will always be used.
-    return AsyncClient(base_url, **options)
+    return AsyncClient(*args, **options)

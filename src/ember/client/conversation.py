@@ -44,9 +44,7 @@ class _History:
 class AsyncConversation(_History):
     """A conversation over an ``AsyncClient``; make it with ``client.conversation(system=...)``."""
 
-    def __init__(
-        self, client: AsyncClient, *, system: str | None = None, session_id: str | None = None, **params: Any
-    ) -> None:
+    def __init__(self, client: AsyncClient, *, system: str | None = None, session_id: str | None = None, **params: Any) -> None:
         super().__init__(system, session_id, params)
         self._client = client
 
@@ -67,9 +65,7 @@ class AsyncConversation(_History):
 class Conversation(_History):
     """A conversation over a blocking ``Client``; make it with ``client.conversation(system=...)``."""
 
-    def __init__(
-        self, client: Client, *, system: str | None = None, session_id: str | None = None, **params: Any
-    ) -> None:
+    def __init__(self, client: Client, *, system: str | None = None, session_id: str | None = None, **params: Any) -> None:
         super().__init__(system, session_id, params)
         self._client = client
 

@@ -130,7 +130,14 @@ class GrpcTransport:
             request = health_pb2.HealthCheckRequest(service=SERVICE_NAME)
             health = await call.within_budget(entry.health.Check(request, metadata=metadata, timeout=timeout))
             if health.status != health_pb2.HealthCheckResponse.SERVING:
-                body = {"error": {"message": "the server is not serving (gRPC health check)", "type": "service_unavailable", "param": None, "code": "not_serving"}}
+                body = {
+                    "error": {
+                        "message": "the server is not serving (gRPC health check)",
+                        "type": "service_unavailable",
+                        "param": None,
+                        "code": "not_serving",
+                    }
+                }
                 raise call.status_error(503, body, {})
             yield GrpcReply([])
         else:
@@ -191,7 +198,7 @@ class GrpcTransport:
 
         try:
             await asyncio.wait_for(settle(), timeout=call.timeouts.connect_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             call.endpoints.mark_failed(call.base_url)
             raise call.error(ConnectTimeout, f"connecting to {call.base_url} timed out") from None
         # TRANSIENT_FAILURE: the RPC itself fails at once with UNAVAILABLE, reported as a connection error.

@@ -142,7 +142,7 @@ async def _drain(byte_iterator: AsyncIterator[bytes]) -> None:
     """
     try:
         await asyncio.wait_for(_read_to_end(byte_iterator), timeout=DRAIN_TIMEOUT_S)
-    except (asyncio.TimeoutError, httpx.HTTPError):
+    except (TimeoutError, httpx.HTTPError):
         pass  # the answer is complete; only this connection's reuse is lost
 
 

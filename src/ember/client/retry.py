@@ -112,7 +112,7 @@ def parse_retry_after(
     except (TypeError, ValueError, IndexError):
         return None
     if when.tzinfo is None:  # "-0000" parses unzoned; HTTP dates are always GMT
-        when = when.replace(tzinfo=datetime.timezone.utc)
+        when = when.replace(tzinfo=datetime.UTC)
     return max(when.timestamp() - now(), 0.0)
 
 

@@ -15,7 +15,7 @@ that broke before any text); after that, a failure is raised to the caller.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -55,9 +55,7 @@ class AsyncChatStream:
     async def __aenter__(self) -> AsyncChatStream:
         return self
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         await self.aclose()
 
     async def aclose(self) -> None:
@@ -100,7 +98,7 @@ class AsyncChatStream:
         self._model: str | None = None
         self._first_token_at: float | None = None
 
-    async def _generate(self) -> AsyncIterator[str]:
+    async def _generate(self) -> AsyncGenerator[str, None]:
         call = self._call
         while True:
             self._reset()
@@ -175,9 +173,7 @@ class ChatStream:
     def __enter__(self) -> ChatStream:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
     def close(self) -> None:

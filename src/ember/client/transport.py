@@ -23,7 +23,7 @@ from __future__ import annotations
 import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 from ember.client.errors import EmberClientError
 
@@ -31,7 +31,9 @@ if TYPE_CHECKING:
     from ember.client.call import Call
 
 TransportName = Literal["http1", "http2", "grpc"]
-TRANSPORTS: tuple[str, ...] = ("http1", "http2", "grpc")
+# The names, for argparse choices and checks: one definition, the Literal's.
+TRANSPORTS: tuple[TransportName, ...] = get_args(TransportName)
+HTTP_TRANSPORTS: tuple[TransportName, ...] = ("http1", "http2")
 
 
 class Reply(Protocol):
@@ -72,7 +74,7 @@ def make_transport(
     verify: ssl.SSLContext | str | bool,
 ) -> Transport:
     """The transport called ``name`` ("http1", "http2" or "grpc")."""
-    if name in ("http1", "http2"):
+    if name in HTTP_TRANSPORTS:
         from ember.client.http_transport import HTTPTransport
 
         return HTTPTransport(

@@ -12,4 +12,4 @@ from ember.grpc._generated.ember.v1 import generation_pb2_grpc as pb_grpc  # noq
 # "ember.v1.Generation": the name health checks and reflection use.
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 
-__all__ = ["pb", "pb_grpc", "SERVICE_NAME"]
+__all__ = ["SERVICE_NAME", "pb", "pb_grpc"]

@@ -11,6 +11,7 @@ module and must not pull in torch.)
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,7 +21,17 @@ PRIORITY_NAMES: dict[int, str] = {pb.PRIORITY_HIGH: "high", pb.PRIORITY_NORMAL: 
 PRIORITY_VALUES: dict[str, int] = {name: value for value, name in PRIORITY_NAMES.items()}
 
 # SamplingOptions fields that are `optional` in the proto: unset means "the server's default".
-OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty")
+OPTIONAL_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 
 # (finish_reason, stop_reason) as the HTTP API reports them; a timeout reads "length" + "timeout".
 FINISH_FIELDS: dict[int, tuple[str, str | None]] = {
@@ -76,12 +87,19 @@ def _message_dict(message: Any) -> dict[str, Any]:
 
 
 # The engine's FinishReason values (a str enum); "abort" is an error status instead (server.py).
-_ENGINE_FINISH = {"stop": pb.FINISH_REASON_STOP, "stop_string": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "timeout": pb.FINISH_REASON_TIMEOUT}
+_ENGINE_FINISH = {
+    "stop": pb.FINISH_REASON_STOP,
+    "stop_string": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "timeout": pb.FINISH_REASON_TIMEOUT,
+}
 
 
-def finish_reason(reason: str | None) -> int:
+def finish_reason(reason: str | None) -> pb.FinishReason:
     """The proto enum for an engine finish reason (``FinishReason`` or its value)."""
-    return _ENGINE_FINISH.get(getattr(reason, "value", reason), pb.FINISH_REASON_UNSPECIFIED)
+    # An enum member hashes by its name, not its value: look up the value.
+    key = reason.value if isinstance(reason, enum.Enum) else reason
+    return _ENGINE_FINISH.get(key, pb.FINISH_REASON_UNSPECIFIED) if key is not None else pb.FINISH_REASON_UNSPECIFIED
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, max_tokens: int) -> Any:

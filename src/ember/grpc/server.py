@@ -25,16 +25,17 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, AsyncIterator
+from types import TracebackType
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import BaseModel, ValidationError
 
-from ember.engine.request import FinishReason, RequestOutput
+from ember.engine.api import FinishReason, RequestOutput
 from ember.grpc import convert, status
 from ember.grpc.api import SERVICE_NAME, pb, pb_grpc
 from ember.grpc.health import ReadinessHealth
@@ -42,6 +43,7 @@ from ember.server.errors import APIError, from_validation_error
 from ember.server.generation import Caller, PreparedRequest, admit, prepare_chat, prepare_completion, run
 from ember.server.middleware import authenticate, log_access
 from ember.server.protocol import ChatCompletionRequest, CompletionRequest, new_id
+from ember.server.request_ids import client_request_id
 from ember.server.responses import reply_headers
 from ember.server.state import ServerState
 
@@ -82,8 +84,9 @@ class GrpcServer:
         reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{config.host}:{config.grpc_port}"
         if config.ssl_certfile:
-            key = Path(config.ssl_keyfile or config.ssl_certfile).read_bytes()
-            credentials = grpc.ssl_server_credentials([(key, Path(config.ssl_certfile).read_bytes())])
+            # At start-up, before anything is served: these reads block no request.
+            key = Path(config.ssl_keyfile or config.ssl_certfile).read_bytes()  # noqa: ASYNC240
+            credentials = grpc.ssl_server_credentials([(key, Path(config.ssl_certfile).read_bytes())])  # noqa: ASYNC240
             self.port = server.add_secure_port(address, credentials)
         else:
             self.port = server.add_insecure_port(address)
@@ -103,6 +106,10 @@ class GrpcServer:
             await self._server.stop(self.state.config.grpc_grace_s)
 
 
+# A request body model: ChatCompletionRequest or CompletionRequest.
+Body = TypeVar("Body", bound=BaseModel)
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     """``ember.v1.Generation``: streaming ``Chat`` and unary ``Complete``."""
 
@@ -112,18 +119,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         self._api_key = key.encode() if key else None
 
     async def Chat(self, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        call = _Call(self.state, context, "Chat")
-        try:
-            caller = call.open(self._api_key)
-            body = _validated(ChatCompletionRequest, call.with_deadline(convert.chat_body(request)))
-            prepared = call.prepared(prepare_chat(self.state, caller, body))
-            await admit(self.state, caller, prepared)
-            await call.send_headers(prepared)
+        async with _Call(self.state, context, "Chat") as call:
+            prepared = await call.start(self._api_key, ChatCompletionRequest, lambda: convert.chat_body(request), prepare_chat)
             yield pb.ChatChunk(id=new_id("chatcmpl"), model=self.state.model_name)
             pending_tokens = 0  # tokens of outputs that added no text yet (held back by the detokenizer)
             # aclosing: however this loop is left, the engine request ends with it.
             async with contextlib.aclosing(run(self.state, prepared)) as outputs:
-                async for out in outputs:
+                async for _, out in outputs:  # one choice: gRPC has no n
                     pending_tokens += len(out.new_token_ids)
                     if out.finished:
                         call.check_finish(out)
@@ -138,28 +140,14 @@ class GenerationService(pb_grpc.GenerationServicer):
                         yield pb.ChatChunk(text=out.text_delta, num_tokens=pending_tokens)
                         pending_tokens = 0
             call.status = 200
-        except APIError as exc:
-            await call.fail(exc)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:
-            log.exception("gRPC Chat %s failed", call.request_id)
-            await call.fail(APIError(500, "Internal error while generating.", "server_error", None, "internal_error"))
-        finally:
-            call.close()
 
     async def Complete(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        call = _Call(self.state, context, "Complete")
-        try:
-            caller = call.open(self._api_key)
-            body = _validated(CompletionRequest, call.with_deadline(convert.completion_body(request)))
-            prepared = call.prepared(prepare_completion(self.state, caller, body))
-            await admit(self.state, caller, prepared)
-            await call.send_headers(prepared)
+        async with _Call(self.state, context, "Complete") as call:
+            prepared = await call.start(self._api_key, CompletionRequest, lambda: convert.completion_body(request), prepare_completion)
             parts: list[str] = []
             final: RequestOutput | None = None
             async with contextlib.aclosing(run(self.state, prepared)) as outputs:
-                async for out in outputs:
+                async for _, out in outputs:  # one choice: gRPC has no n
                     parts.append(out.text_delta)
                     final = out if out.finished else final
             if final is None:
@@ -174,43 +162,66 @@ class GenerationService(pb_grpc.GenerationServicer):
                 stop_reason=_text(final.stop_reason),
                 usage=_usage(final, prepared),
             )
-        except APIError as exc:
-            await call.fail(exc)
-        except (asyncio.CancelledError, grpc.aio.AbortError):
-            raise
-        except Exception:
-            log.exception("gRPC Complete %s failed", call.request_id)
-            await call.fail(APIError(500, "Internal error while generating.", "server_error", None, "internal_error"))
-        finally:
-            call.close()
 
 
 class _Call:
     """One RPC's bookkeeping, mirroring the HTTP middleware: id, key, in-flight count, cleanup, log.
 
-    Invariant: ``close`` runs exactly once per call (from the handler's
-    ``finally``); it undoes what ``open`` counted and runs ``on_done``.
+    Used as ``async with _Call(...) as call:`` around a handler's body, which
+    is then every RPC's one error tail: an ``APIError`` ends the call with its
+    status, any other exception is logged and ends it as a 500, cancellation
+    and an abort pass through. Invariant: ``close`` runs exactly once per call
+    (on leaving the block); it undoes what ``open`` counted and runs ``on_done``.
     """
 
     def __init__(self, state: ServerState, context: grpc.aio.ServicerContext, method: str) -> None:
         self.state = state
         self.context = context
+        self.method = method
         self.path = f"/{SERVICE_NAME}/{method}"
         self.started = time.perf_counter()
         self.metadata = {key: value for key, value in context.invocation_metadata() or () if isinstance(value, str)}
-        request_id = self.metadata.get("x-request-id") or uuid.uuid4().hex
-        if len(request_id) > 128 or not request_id.isprintable():
-            request_id = uuid.uuid4().hex
-        self.request_id = request_id
+        self.request_id = client_request_id(self.metadata.get("x-request-id"))
+        self.arrived = time.monotonic()  # the request clock starts before admission
         self.record: dict[str, Any] = {}
         self.status = 499  # until the call succeeds or fails with a status: the client went away
         self.caller: Caller | None = None
         self.deadline_s = context.time_remaining()  # None: the client set no deadline
 
+    async def __aenter__(self) -> _Call:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            if isinstance(exc, APIError):
+                await self.fail(exc)
+            elif isinstance(exc, Exception) and not isinstance(exc, grpc.aio.AbortError):
+                log.error("gRPC %s %s failed", self.method, self.request_id, exc_info=exc)
+                await self.fail(APIError(500, "Internal error while generating.", "server_error", None, "internal_error"))
+            # Anything else (CancelledError, an abort, GeneratorExit) propagates as it is.
+        finally:
+            self.close()
+
+    async def start(
+        self,
+        api_key: bytes | None,
+        model: type[Body],
+        body: Callable[[], dict[str, Any]],
+        prepare: Callable[[ServerState, Caller, Body], PreparedRequest],
+    ) -> PreparedRequest:
+        """Every RPC's opening, in the HTTP routes' order: authenticate, read and validate the body
+        (``body()`` converts the message, after authentication), prepare, admit, send the initial metadata."""
+        caller = self.open(api_key)
+        request = _validated(model, self.with_deadline(body()))
+        prepared = self.prepared(prepare(self.state, caller, request))
+        await admit(self.state, caller, prepared)
+        await self.send_headers(prepared)
+        return prepared
+
     def open(self, api_key: bytes | None) -> Caller:
         """Authenticate and start counting the call in flight; raises ``APIError`` (401)."""
         namespace = authenticate(api_key, self.metadata)
-        self.caller = Caller(self.request_id, self.metadata, namespace)
+        self.caller = Caller(self.request_id, self.metadata, namespace, arrived=self.arrived)
         self.state.in_flight += 1
         return self.caller
 
@@ -266,7 +277,7 @@ class _Call:
         log_access("GRPC", self.path, self.request_id, self.status, self.started, self.record)
 
 
-def _validated(model: type[BaseModel], body: dict[str, Any]) -> Any:
+def _validated(model: type[Body], body: dict[str, Any]) -> Body:
     try:
         return model.model_validate(body)
     except ValidationError as exc:

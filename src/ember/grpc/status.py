@@ -163,7 +163,14 @@ def decode(error: grpc.aio.AioRpcError) -> DecodedError:
             headers[key] = value
     if info is not None:
         http_status = _int(info.metadata.get("http_status")) or HTTP_STATUS_OF_CODE.get(code, 500)
-        body = {"error": {"message": message, "type": info.metadata.get("type"), "param": info.metadata.get("param"), "code": info.reason or None}}
+        body = {
+            "error": {
+                "message": message,
+                "type": info.metadata.get("type"),
+                "param": info.metadata.get("param"),
+                "code": info.reason or None,
+            }
+        }
         return DecodedError(code, http_status, body, headers, from_ember=True)
     body = {"error": {"message": message, "type": None, "param": None, "code": code.name.lower()}}
     return DecodedError(code, HTTP_STATUS_OF_CODE.get(code, 500), body, headers)

@@ -6,6 +6,8 @@ Routes:
 - ``GET /health``: the router process is alive. ``GET /ready``: at least one
   replica can take traffic (else 503 with Retry-After).
 - ``GET /metrics``: the ``ember_router_*`` metrics in Prometheus text format.
+- ``GET /``: the chat page (``ember.webchat``), the same as a replica's; its
+  API calls are relative, so they come back here and are routed.
 - ``GET / POST / DELETE /admin/upstreams``: list, add, remove replicas at run
   time. With ``admin_key`` set they need ``Authorization: Bearer <key>`` or
   ``X-Admin-Key: <key>``; without one they answer loopback clients only.
@@ -28,6 +30,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from ember import webchat
 from ember.router.config import RouterConfig, normalize_upstream_url
 from ember.router.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR, error_response
 from ember.router.service import RouterService
@@ -112,6 +115,7 @@ def create_router_app(
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/admin/upstreams", upstreams, methods=["GET", "POST", "DELETE"]),
+        *webchat.routes(),
     ]
     app = RouterApp(routes=routes, lifespan=lifespan)
     app.state.router = service
@@ -119,9 +123,7 @@ def create_router_app(
 
 
 def _upstreams_listing(service: RouterService) -> Response:
-    return JSONResponse(
-        {"policy": service.config.policy, "upstreams": [replica.describe() for replica in service.replicas]}
-    )
+    return JSONResponse({"policy": service.config.policy, "upstreams": [replica.describe() for replica in service.replicas]})
 
 
 async def _admin_url(request: Request) -> str:
@@ -132,7 +134,7 @@ async def _admin_url(request: Request) -> str:
     try:
         payload = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"Body must be JSON like {{\"url\": \"http://host:port\"}}: {exc}") from exc
+        raise ValueError(f'Body must be JSON like {{"url": "http://host:port"}}: {exc}') from exc
     if not isinstance(payload, dict) or not isinstance(payload.get("url"), str):
         raise ValueError('Body must be JSON like {"url": "http://host:port"}.')
     return payload["url"]

@@ -23,38 +23,70 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "route",
         help="route OpenAI API traffic across replicas (session affinity, health checks, failover)",
-        description="Proxy the OpenAI API to several replicas with session affinity, "
-        "health checks, circuit breakers and failover.",
+        description="Proxy the OpenAI API to several replicas with session affinity, health checks, circuit breakers and failover.",
     )
-    parser.add_argument("--upstream", action="append", default=[], metavar="URL",
-                        help="replica base URL, e.g. http://127.0.0.1:8000 (repeatable)")
-    parser.add_argument("--config", dest="config_file", metavar="FILE", default=d.config_file,
-                        help="JSON or TOML file listing upstreams; reloaded on SIGHUP or when it changes")
+    parser.add_argument(
+        "--upstream", action="append", default=[], metavar="URL", help="replica base URL, e.g. http://127.0.0.1:8000 (repeatable)"
+    )
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="FILE",
+        default=d.config_file,
+        help="JSON or TOML file listing upstreams; reloaded on SIGHUP or when it changes",
+    )
     parser.add_argument("--host", default=d.host, help=f"address to listen on (default {d.host})")
     parser.add_argument("--port", type=int, default=d.port, help=f"port to listen on (default {d.port})")
-    parser.add_argument("--policy", choices=POLICY_NAMES, default=d.policy,
-                        help=f"routing policy (default {d.policy})")
-    parser.add_argument("--load-epsilon", type=float, default=d.load_epsilon,
-                        help="session policy: a replica above (1 + epsilon) x mean load passes a session on "
-                        f"(default {d.load_epsilon})")
-    parser.add_argument("--load-floor", type=int, default=d.load_floor, metavar="N",
-                        help="session policy: a replica with fewer than N requests in flight keeps its sessions "
-                        f"whatever the mean load (default {d.load_floor}; 1 = no floor)")
-    parser.add_argument("--probe-interval", type=float, default=d.probe_interval_s, metavar="SECONDS",
-                        help=f"seconds between /ready probes (default {d.probe_interval_s})")
-    parser.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                        help=f"consecutive failures that open a replica's breaker (default {d.breaker_failures})")
-    parser.add_argument("--breaker-open-seconds", type=float, default=d.breaker_open_s,
-                        help=f"seconds a breaker stays open before a trial request (default {d.breaker_open_s})")
-    parser.add_argument("--request-timeout", type=float, default=d.request_timeout_s, metavar="SECONDS",
-                        help=f"whole-request deadline (default {d.request_timeout_s})")
-    parser.add_argument("--stall-timeout", type=float, default=d.stall_timeout_s, metavar="SECONDS",
-                        help="longest upstream silence before failover or an error chunk "
-                        f"(default {d.stall_timeout_s})")
-    parser.add_argument("--admin-key", default=d.admin_key,
-                        help="key for /admin/* (without one, /admin answers loopback clients only)")
-    parser.add_argument("--hide-upstream", action="store_true",
-                        help="do not send X-Ember-Upstream (the serving replica's URL) to clients")
+    parser.add_argument("--policy", choices=POLICY_NAMES, default=d.policy, help=f"routing policy (default {d.policy})")
+    parser.add_argument(
+        "--load-epsilon",
+        type=float,
+        default=d.load_epsilon,
+        help=f"session policy: a replica above (1 + epsilon) x mean load passes a session on (default {d.load_epsilon})",
+    )
+    parser.add_argument(
+        "--load-floor",
+        type=int,
+        default=d.load_floor,
+        metavar="N",
+        help="session policy: a replica with fewer than N requests in flight keeps its sessions "
+        f"whatever the mean load (default {d.load_floor}; 1 = no floor)",
+    )
+    parser.add_argument(
+        "--probe-interval",
+        type=float,
+        default=d.probe_interval_s,
+        metavar="SECONDS",
+        help=f"seconds between /ready probes (default {d.probe_interval_s})",
+    )
+    parser.add_argument(
+        "--breaker-failures",
+        type=int,
+        default=d.breaker_failures,
+        help=f"consecutive failures that open a replica's breaker (default {d.breaker_failures})",
+    )
+    parser.add_argument(
+        "--breaker-open-seconds",
+        type=float,
+        default=d.breaker_open_s,
+        help=f"seconds a breaker stays open before a trial request (default {d.breaker_open_s})",
+    )
+    parser.add_argument(
+        "--request-timeout",
+        type=float,
+        default=d.request_timeout_s,
+        metavar="SECONDS",
+        help=f"whole-request deadline (default {d.request_timeout_s})",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=d.stall_timeout_s,
+        metavar="SECONDS",
+        help=f"longest upstream silence before failover or an error chunk (default {d.stall_timeout_s})",
+    )
+    parser.add_argument("--admin-key", default=d.admin_key, help="key for /admin/* (without one, /admin answers loopback clients only)")
+    parser.add_argument("--hide-upstream", action="store_true", help="do not send X-Ember-Upstream (the serving replica's URL) to clients")
     parser.add_argument("--log-level", default=d.log_level, help=f"log level (default {d.log_level})")
     parser.set_defaults(func=run_router)
     return parser

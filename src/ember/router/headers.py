@@ -11,6 +11,8 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
+from ember.server.request_ids import client_request_id
+
 RawHeaders = list[tuple[bytes, bytes]]
 
 _HOP_BY_HOP = frozenset(
@@ -55,10 +57,12 @@ def read_client_headers(raw: RawHeaders) -> ClientHeaders:
     for name, value in raw:
         if name in _NOT_FORWARDED_UPSTREAM:
             continue
-        forward.append((name, value))
         if name == b"x-request-id":
+            # Only a reasonable token travels on, as the replica would decide (server/request_ids.py).
+            value = client_request_id(value.decode("latin-1")).encode()
             request_id = value
-        elif name == b"x-session-id":
+        forward.append((name, value))
+        if name == b"x-session-id":
             session_id = value.decode("latin-1") or None
         elif name == b"x-request-timeout":
             try:

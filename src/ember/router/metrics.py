@@ -48,8 +48,7 @@ class RouterMetrics:
         )
         self._upstream_errors = Counter(
             "ember_router_upstream_errors",
-            "Upstream failures by kind: connect, timeout, protocol, status_5xx, status_429, "
-            "status_503, stream_broken, stream_stalled.",
+            "Upstream failures by kind: connect, timeout, protocol, status_5xx, status_429, status_503, stream_broken, stream_stalled.",
             ["upstream", "kind"],
             registry=r,
         )
@@ -67,21 +66,15 @@ class RouterMetrics:
             buckets=DURATION_BUCKETS,
             registry=r,
         )
-        self._retries = Counter(
-            "ember_router_retries", "Requests sent to another replica, by the reason.", ["reason"], registry=r
-        )
+        self._retries = Counter("ember_router_retries", "Requests sent to another replica, by the reason.", ["reason"], registry=r)
         self._affinity = Counter(
             "ember_router_session_affinity",
             "Session requests served by their home replica (hit) or elsewhere (miss).",
             ["result"],
             registry=r,
         )
-        self._probe_failures = Counter(
-            "ember_router_probe_failures", "Failed /ready probes.", ["upstream"], registry=r
-        )
-        self._config_reloads = Counter(
-            "ember_router_config_reloads", "Upstreams file reloads, by result.", ["result"], registry=r
-        )
+        self._probe_failures = Counter("ember_router_probe_failures", "Failed /ready probes.", ["upstream"], registry=r)
+        self._config_reloads = Counter("ember_router_config_reloads", "Upstreams file reloads, by result.", ["result"], registry=r)
         # Metrics whose first label is the upstream URL.
         self._upstream_metrics = (
             self._upstream_requests,
@@ -153,9 +146,7 @@ class _ReplicaStateCollector(Collector):
             "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             labels=["upstream"],
         )
-        ready = GaugeMetricFamily(
-            "ember_router_upstream_ready", "1 when the last probe found the upstream ready.", labels=["upstream"]
-        )
+        ready = GaugeMetricFamily("ember_router_upstream_ready", "1 when the last probe found the upstream ready.", labels=["upstream"])
         in_flight = GaugeMetricFamily(
             "ember_router_upstream_in_flight",
             "Requests the router has outstanding on the upstream.",

@@ -98,9 +98,7 @@ def load_capacity(loads: Sequence[int], epsilon: float, floor: int = 1) -> int:
     return max(math.ceil((1.0 + epsilon) * (sum(loads) + 1) / len(loads)), floor)
 
 
-def session_decision(
-    key: str, replicas: Sequence[ReplicaSnapshot], epsilon: float, floor: int = 1
-) -> RouteDecision:
+def session_decision(key: str, replicas: Sequence[ReplicaSnapshot], epsilon: float, floor: int = 1) -> RouteDecision:
     """Rendezvous hashing with bounded load for one session key.
 
     Available replicas under the load capacity come first, in rendezvous order,

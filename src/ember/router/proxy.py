@@ -39,7 +39,8 @@ from ember.router.headers import ClientHeaders, RawHeaders, read_client_headers,
 from ember.router.metrics import RouterMetrics
 from ember.router.policy import choose
 from ember.router.replicas import Replica, ReplicaSet, Verdict
-from ember.router.session_key import MalformedBodyError, key_from_body, key_from_path, parse_json_object
+from ember.router.request_body import BodyTooLarge, ClientGone, read_body
+from ember.router.session_key import MalformedBodyError, request_key
 
 logger = logging.getLogger("ember.router")
 
@@ -51,7 +52,6 @@ _RETRY_STATUS_KINDS = {429: "status_429", 502: "status_5xx", 503: "status_503", 
 UPSTREAM_HEADER = b"x-ember-upstream"
 
 _ROUTE_LABELS = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/models": "models"}
-_JSON_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 @dataclass(slots=True)
@@ -81,14 +81,6 @@ class UpstreamBrokenError(EmberError):
     """
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
-class _ClientGone(Exception):
-    pass
-
-
 class Proxy:
     """ASGI app forwarding ``/v1/*`` to the replicas chosen by the routing policy."""
 
@@ -109,7 +101,7 @@ class Proxy:
         # The timeouts of almost every attempt, built once.
         self._default_timeout = self._timeout(config.stall_timeout_s)
 
-    def _timeout(self, stall_s: float) -> dict[str, float]:
+    def _timeout(self, stall_s: float) -> dict[str, float | None]:
         connect_s = min(self._config.connect_timeout_s, stall_s)
         return httpx.Timeout(connect=connect_s, read=stall_s, write=stall_s, pool=connect_s).as_dict()
 
@@ -117,12 +109,12 @@ class Proxy:
         path: str = scope["path"]
         route = _ROUTE_LABELS.get(path) or ("sessions" if path.startswith("/v1/sessions/") else "other")
         try:
-            body = await self._read_body(receive)
-        except _BodyTooLarge:
+            body = await read_body(receive, self._config.max_body_bytes)
+        except BodyTooLarge:
             message = f"Request body is larger than {self._config.max_body_bytes} bytes."
             await self._answer_error(scope, receive, send, route, 413, message, INVALID_REQUEST, "body_too_large")
             return
-        except _ClientGone:
+        except ClientGone:
             return
         client = read_client_headers(scope["headers"])
         try:
@@ -164,27 +156,14 @@ class Proxy:
         """The key the session policy hashes; the body is parsed only when nothing cheaper names it."""
         if self._config.policy != "session":
             return None
-        key = client.session_id or key_from_path(scope["path"])
-        if key is None and body and client.may_be_json and scope["method"] in _JSON_METHODS:
-            key = key_from_body(parse_json_object(body), self._config.session_prompt_chars)
-        return key
-
-    async def _read_body(self, receive: Receive) -> bytes:
-        limit = self._config.max_body_bytes
-        parts: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk: bytes = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                raise _BodyTooLarge
-            if not message.get("more_body", False):
-                # The usual case, a body in one message, is returned without a copy.
-                return b"".join((*parts, chunk)) if parts else chunk
-            parts.append(chunk)
+        return request_key(
+            client.session_id,
+            scope["path"],
+            scope["method"],
+            body,
+            may_be_json=client.may_be_json,
+            prompt_chars=self._config.session_prompt_chars,
+        )
 
     async def _open_first(
         self,
@@ -379,17 +358,13 @@ class Proxy:
             self._metrics.request_done(route, status)
         elif attempts == 0 and self._clock() < deadline:
             message = "No upstream replica is available."
-            await self._answer_error(
-                scope, receive, send, route, 503, message, SERVER_ERROR, "no_upstream_available", retry_after
-            )
+            await self._answer_error(scope, receive, send, route, 503, message, SERVER_ERROR, "no_upstream_available", retry_after)
         elif failure is None:
             message = "The request deadline passed before any replica answered."
             await self._answer_error(scope, receive, send, route, 504, message, SERVER_ERROR, "deadline_exceeded")
         else:
             message = f"No upstream replica answered ({attempts} tried, last error: {failure.kind})."
-            await self._answer_error(
-                scope, receive, send, route, 502, message, SERVER_ERROR, "upstream_unavailable", retry_after
-            )
+            await self._answer_error(scope, receive, send, route, 502, message, SERVER_ERROR, "upstream_unavailable", retry_after)
 
     async def _answer_error(
         self,

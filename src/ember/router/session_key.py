@@ -21,6 +21,8 @@ import json
 from typing import Any
 
 SESSIONS_PATH_PREFIX = "/v1/sessions/"
+# Only these methods carry a body the key can come from.
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class MalformedBodyError(ValueError):
@@ -36,6 +38,19 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     if not isinstance(payload, dict):
         raise MalformedBodyError("Request body must be a JSON object.")
     return payload
+
+
+def request_key(session_header: str | None, path: str, method: str, body: bytes, *, may_be_json: bool, prompt_chars: int) -> str | None:
+    """The session key of one request, in the order the module docstring gives.
+
+    The body is parsed only when neither the ``X-Session-ID`` header nor the
+    path names the session. Raises ``MalformedBodyError`` for a JSON body that
+    is not a JSON object.
+    """
+    key = session_header or key_from_path(path)
+    if key is None and body and may_be_json and method in BODY_METHODS:
+        key = key_from_body(parse_json_object(body), prompt_chars)
+    return key
 
 
 def key_from_path(path: str) -> str | None:
