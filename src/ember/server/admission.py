@@ -23,8 +23,8 @@ import heapq
 import itertools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ember.server.errors import APIError
 
@@ -80,7 +80,10 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
         on_reject: Callable[[str, int], None] | None = None,
         shed_low: Callable[[int], bool] | None = None,
+        on_depth: Callable[[int], None] | None = None,
     ) -> None:
+        """``on_depth(n)`` hears the number of waiters whenever it changes
+        (the degradation controller watches for a queue that never drains)."""
         self.max_running = max_running
         self.max_queue = max_queue
         self.max_queued_tokens = max_queued_tokens
@@ -89,6 +92,7 @@ class Admission:
         self.drain = DrainRate(clock)
         self._on_reject = on_reject
         self._shed_low = shed_low
+        self._on_depth = on_depth
         self._heap: list[_Waiter] = []
         self._seq = itertools.count()
         self.running = 0
@@ -128,15 +132,18 @@ class Admission:
             raise self._reject(429, "queue_tokens", priority, "Too many prompt tokens are waiting; retry after the indicated delay.")
         ahead = sum(1 for w in self._heap if (w.priority, w.seq) <= (priority, math.inf))
         if self.drain.measured and self.drain.seconds_for(ahead + 1) > deadline_in_s:
-            raise self._reject(503, "deadline", priority, f"The request cannot start within its {deadline_in_s:.1f}s deadline from its place in line.")
+            raise self._reject(
+                503, "deadline", priority, f"The request cannot start within its {deadline_in_s:.1f}s deadline from its place in line."
+            )
         if len(self._heap) >= self.max_queue or self.queued_tokens + prompt_tokens > self.max_queued_tokens:
             self._evict_lowest(priority)
         waiter = _Waiter(priority, next(self._seq), prompt_tokens, asyncio.get_running_loop().create_future(), key)
         heapq.heappush(self._heap, waiter)
         self.queued_tokens += prompt_tokens
+        self._depth_changed()
         try:
             await asyncio.wait_for(asyncio.shield(waiter.future), timeout=max(deadline_in_s, 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self._remove(waiter):
                 raise self._reject(503, "queue_timeout", priority, "The request's deadline passed while it waited in the queue.") from None
             # Granted at the same instant: the slot is ours; keep it.
@@ -163,21 +170,30 @@ class Admission:
             self._per_key[key] = self._per_key.get(key, 0) + 1
 
     def _wake(self) -> None:
+        woke = False
         while self._heap and self.running < self.max_running:
             waiter = heapq.heappop(self._heap)
             self.queued_tokens -= waiter.prompt_tokens
+            woke = True
             if waiter.future.done():
                 continue
             self._enter(waiter.key)
             waiter.future.set_result(None)
+        if woke:
+            self._depth_changed()
 
     def _remove(self, waiter: _Waiter) -> bool:
         if waiter in self._heap:
             self._heap.remove(waiter)
             heapq.heapify(self._heap)
             self.queued_tokens -= waiter.prompt_tokens
+            self._depth_changed()
             return True
         return False
+
+    def _depth_changed(self) -> None:
+        if self._on_depth is not None:
+            self._on_depth(len(self._heap))
 
     def _lower_priority_waiting(self, priority: int) -> bool:
         return any(w.priority > priority for w in self._heap)
@@ -189,7 +205,9 @@ class Admission:
             return
         victim = max(victims, key=lambda w: (w.priority, w.seq))
         self._remove(victim)
-        victim.future.set_exception(self._reject(429, "displaced", victim.priority, "A higher-priority request took this place in the queue; retry later."))
+        victim.future.set_exception(
+            self._reject(429, "displaced", victim.priority, "A higher-priority request took this place in the queue; retry later.")
+        )
 
 
 def _granted(future: asyncio.Future) -> bool:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -13,14 +12,21 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ember.server.errors import APIError
+from ember import webchat
+from ember.server.errors import APIError, error_param
 from ember.server.middleware import RequestPipeline
-from ember.server.routes import admin, chat, completions, health, models, sessions
+from ember.server.routes import admin, chat, completions, health, models, sessions, tokenize
 from ember.server.state import ServerState
 
-log = logging.getLogger("ember.server")
-
-_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+_STATUS_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+}
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -50,8 +56,9 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Ember", version="0.1.0", description="OpenAI-compatible, low-latency chat serving.", lifespan=lifespan)
     app.state.ember = state
     app.add_middleware(RequestPipeline, state=state)
-    for module in (chat, completions, models, health, sessions, admin):
+    for module in (chat, completions, models, health, sessions, admin, tokenize):
         app.include_router(module.router)
+    app.router.routes.extend(webchat.routes())  # the chat page at /
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> Response:
@@ -62,12 +69,11 @@ def create_app(state: ServerState) -> FastAPI:
     async def on_invalid_body(request: Request, exc: RequestValidationError) -> Response:
         # OpenAI answers 400, never FastAPI's 422, for a body it cannot accept.
         first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = error_param(first)
         kind = first.get("type", "")
         if kind == "json_invalid":
             message = "We could not parse the JSON body of your request. Send valid JSON encoded as UTF-8."
-        elif kind == "missing" and not loc:
+        elif kind == "missing" and param is None:
             message = "The request body is missing."
         else:
             message = f"Invalid value for '{param}': {first.get('msg', 'invalid')}" if param else str(first.get("msg", "Invalid request."))
@@ -85,11 +91,7 @@ def create_app(state: ServerState) -> FastAPI:
             error.headers.update(exc.headers)
         return error.response()
 
-    @app.exception_handler(Exception)
-    async def on_bug(request: Request, exc: Exception) -> Response:
-        log.exception("unhandled error on %s", request.url.path)
-        _count(state, 500)
-        return APIError(500, "Internal server error.", "server_error", None, "internal_error").response()
+    # Unhandled errors are answered (and logged, once) by RequestPipeline.
 
     return app
 

@@ -1,49 +1,51 @@
-"""Degradation controller: protect latency when p99 stays above the objective.
+"""Degradation controller: act on overload, and only on overload.
 
-The controller watches the server's own end-to-end latency (and, optionally,
-time to first token). When their p99 stays above the objective for a whole
-window it enters *degraded* mode: max_tokens is clamped to the ``support``
-preset, low-priority requests are shed and prefill chunks shrink so running
-streams keep a steady inter-token latency. It leaves with hysteresis: only
-after p99 has been back under the objective for another whole window.
+A long answer on an idle server is slow end to end, but nothing is wrong:
+clamping everyone's max_tokens because one user asked for 300 tokens would
+punish the only user there is. So the controller does not watch end-to-end
+latency (the shipped ``HighLLMLatency`` alert keeps the article's rule on
+``llm_request_duration_seconds`` for humans). It watches what overload does
+first and what a long answer never does:
 
-The rule mirrors the shipped Prometheus alert
-``histogram_quantile(0.99, rate(llm_request_duration_seconds_bucket[1m])) > 2 for 2m``:
+- **queue wait**: time from a request's arrival (before admission) to its
+  first scheduling in the engine; p99 above ``queue_slo_s``;
+- **time to first token** (optional, off by default: a long prompt is slow to
+  its first token on an idle server too); p99 above ``ttft_slo_s``;
+- **inter-token latency**: p99 of the gaps between a stream's tokens above
+  ``itl_slo_s`` (running streams are starved);
+- **a standing queue**: the admission queue has not been empty once for the
+  whole evaluation window, i.e. it never drained.
 
-- *the condition*: p99 over a trailing **evaluation window** (``eval_window_s``,
-  default half of ``window_s``, so 60 s for the default 120 s) is above the
-  objective, with at least ``min_samples`` samples in that window;
+The rule, like the alert's ``for: 2m``:
+
+- *the condition*: any of the four holds over the trailing **evaluation
+  window** (``eval_window_s``, default half of ``window_s``); the p99s need at
+  least ``min_samples`` requests (``min_itl_samples`` token gaps) in it;
 - *enter*: the condition has held at every evaluation for ``window_s``;
 - *leave*: the condition has been false at every evaluation for ``window_s``.
 
-Because the evaluation window is shorter than ``window_s``, one slow burst
-shorter than ``window_s - eval_window_s`` can never trigger: it leaves the
-trailing window before the condition has held long enough.
+Degraded means: max_tokens clamped to the ``support`` preset, low priority
+shed, smaller prefill chunks so running streams keep a steady inter-token
+latency.
 
-Latencies are counted in per-second slots of histogram buckets (the same
-bounds as the exported histograms, plus the objectives themselves so "p99 is
-above the objective" is decided exactly rather than interpolated). Memory is
-therefore fixed: at most ``eval_window_s / slot_s + 1`` slots of
-``len(bounds) + 1`` counters, whatever the request rate. Running totals make
-``observe`` and ``evaluate`` O(number of bounds), cheap enough for every request.
-
-Everything runs on one thread (the server's event loop); the controller takes
-no locks. The clock is injectable so tests drive time without sleeping.
+Pure: the controller is fed samples and reads an injectable clock; it does no
+I/O and takes no locks (the server calls it from its event loop only), so the
+tests drive it with a fake clock. ``evaluate`` applies the rule; the server
+calls it periodically.
 """
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 import sys
 import time
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ember.config import MAX_TOKENS_PRESETS
-from ember.server.metrics import LATENCY_BUCKETS
+from ember.server.metrics import ITL_BUCKETS, LATENCY_BUCKETS
+from ember.server.rolling_histogram import RollingHistogram
 
 log = logging.getLogger("ember.server.degrade")
 
@@ -52,41 +54,16 @@ QUANTILE = 0.99
 DEFAULT_CLAMP_MAX_TOKENS = MAX_TOKENS_PRESETS["support"]
 # A quarter of the default step budget: a long prompt then delays running streams far less.
 DEFAULT_DEGRADED_CHUNK_TOKENS = 128
-# Below this many samples in the evaluation window a p99 is noise: one slow
+# Below this many requests in the evaluation window a p99 is noise: one slow
 # request among a handful must not degrade the whole server.
 DEFAULT_MIN_SAMPLES = 20
+# Token gaps come by the hundred per request; a p99 of fewer is one hiccup.
+DEFAULT_MIN_ITL_SAMPLES = 100
 # Priority values as in engine.request.Priority (0 high, 1 normal, 2 low); kept
 # as a plain int so this module stays free of engine imports.
 LOW_PRIORITY = 2
 # "No cap" for max_tokens_cap(): larger than any real limit, so min() keeps the other one.
 NO_CAP = sys.maxsize
-
-
-@dataclass
-class _Slot:
-    """Counts of the latencies observed during one slot of ``slot_s`` seconds.
-
-    ``e2e[i]`` / ``ttft[i]`` count samples with ``bounds[i-1] < value <= bounds[i]``;
-    the last entry is the +Inf bucket.
-    """
-
-    start: float
-    e2e: list[int]
-    ttft: list[int]
-
-
-@dataclass
-class _Window:
-    """Running totals over the slots still inside the evaluation window.
-
-    Invariant: ``e2e`` / ``ttft`` are the element-wise sums of the retained
-    slots' counts, and ``e2e_n`` / ``ttft_n`` their totals.
-    """
-
-    e2e: list[int]
-    ttft: list[int]
-    e2e_n: int = 0
-    ttft_n: int = 0
 
 
 @dataclass
@@ -109,52 +86,57 @@ class DegradationController:
 
     def __init__(
         self,
-        slo_p99_s: float,
+        queue_slo_s: float,
+        itl_slo_s: float,
         window_s: float,
+        eval_window_s: float | None = None,
         ttft_slo_s: float | None = None,
         clamp_max_tokens: int = DEFAULT_CLAMP_MAX_TOKENS,
         degraded_chunk_tokens: int = DEFAULT_DEGRADED_CHUNK_TOKENS,
         min_samples: int = DEFAULT_MIN_SAMPLES,
-        eval_window_s: float | None = None,
-        slot_s: float = 1.0,
-        bounds: Iterable[float] = LATENCY_BUCKETS,
+        min_itl_samples: int = DEFAULT_MIN_ITL_SAMPLES,
+        slot_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[bool, str], None] | None = None,
     ) -> None:
         """Set up an automatic (not forced), non-degraded controller.
 
         ``eval_window_s`` defaults to ``window_s / 2`` and must be shorter than
-        ``window_s`` (otherwise a single spike could hold p99 up for a whole window).
-        ``bounds`` are histogram upper bounds for estimating p99; the objectives
-        are added to them.
+        ``window_s`` (otherwise a single burst could hold a p99 up for a whole
+        window). ``slot_s``, the resolution of the trailing window, defaults to
+        a twentieth of it, at most 1 s.
         """
-        if slo_p99_s <= 0 or window_s <= 0:
-            raise ValueError("slo_p99_s and window_s must be positive")
+        if queue_slo_s <= 0 or itl_slo_s <= 0 or window_s <= 0:
+            raise ValueError("queue_slo_s, itl_slo_s and window_s must be positive")
         if ttft_slo_s is not None and ttft_slo_s <= 0:
             raise ValueError("ttft_slo_s must be positive")
         eval_window_s = window_s / 2 if eval_window_s is None else eval_window_s
         if not 0 < eval_window_s < window_s:
             raise ValueError("eval_window_s must be positive and shorter than window_s")
+        slot_s = min(1.0, eval_window_s / 20) if slot_s is None else slot_s
         if slot_s <= 0 or slot_s > eval_window_s:
             raise ValueError("slot_s must be positive and at most eval_window_s")
-        if clamp_max_tokens < 1 or degraded_chunk_tokens < 1 or min_samples < 1:
-            raise ValueError("clamp_max_tokens, degraded_chunk_tokens and min_samples must be >= 1")
-        self.slo_p99_s = slo_p99_s
-        self.window_s = window_s
+        if min(clamp_max_tokens, degraded_chunk_tokens, min_samples, min_itl_samples) < 1:
+            raise ValueError("clamp_max_tokens, degraded_chunk_tokens, min_samples and min_itl_samples must be >= 1")
+        self.queue_slo_s = queue_slo_s
+        self.itl_slo_s = itl_slo_s
         self.ttft_slo_s = ttft_slo_s
+        self.window_s = window_s
+        self.eval_window_s = eval_window_s
         self.clamp_max_tokens = clamp_max_tokens
         self.degraded_chunk_tokens = degraded_chunk_tokens
         self.min_samples = min_samples
-        self.eval_window_s = eval_window_s
-        self.slot_s = slot_s
-        objectives = [slo_p99_s] + ([ttft_slo_s] if ttft_slo_s is not None else [])
-        self._bounds: list[float] = sorted(set(bounds) | set(objectives))
-        self._slo_index = self._bounds.index(slo_p99_s)
-        self._ttft_slo_index = None if ttft_slo_s is None else self._bounds.index(ttft_slo_s)
+        self.min_itl_samples = min_itl_samples
+        latency_bounds = set(LATENCY_BUCKETS) | {queue_slo_s} | ({ttft_slo_s} if ttft_slo_s else set())
+        self._queue = RollingHistogram(latency_bounds, eval_window_s, slot_s)
+        self._ttft = RollingHistogram(latency_bounds, eval_window_s, slot_s)
+        self._itl = RollingHistogram(set(ITL_BUCKETS) | {itl_slo_s}, eval_window_s, slot_s)
+        # Reported in the snapshot, never acted on: what the end-to-end rule would have seen.
+        self._e2e = RollingHistogram(LATENCY_BUCKETS, eval_window_s, slot_s)
         self._clock = clock
         self._on_change = on_change
-        self._slots: deque[_Slot] = deque()
-        self._window = _Window(e2e=self._zeros(), ttft=self._zeros())
+        self._queue_depth = 0
+        self._nonempty_since: float | None = None
         self._timers = _Timers()
         self._auto_degraded = False
         self._forced: bool | None = None
@@ -163,36 +145,62 @@ class DegradationController:
 
     # ------------------------------------------------------------------ inputs
 
-    def observe(self, e2e_s: float, ttft_s: float | None = None) -> None:
-        """Record one finished request's latencies, then re-evaluate.
+    def observe_start(self, queue_s: float, ttft_s: float | None = None) -> None:
+        """A request was first scheduled after waiting ``queue_s`` since its arrival.
 
-        ``ttft_s`` is None for a request that produced no token.
+        ``ttft_s`` (also from arrival) when its first token came with it. A
+        request whose deadline passed while it waited is reported here too,
+        with the time it waited.
         """
         now = self._clock()
-        slot = self._slot_at(now)
-        i = bisect.bisect_left(self._bounds, e2e_s)  # first bound >= value: the "le" bucket
-        slot.e2e[i] += 1
-        self._window.e2e[i] += 1
-        self._window.e2e_n += 1
+        self._queue.add(queue_s, now)
         if ttft_s is not None:
-            j = bisect.bisect_left(self._bounds, ttft_s)
-            slot.ttft[j] += 1
-            self._window.ttft[j] += 1
-            self._window.ttft_n += 1
-        self._evaluate_at(now)
+            self._ttft.add(ttft_s, now)
+
+    def observe_itl(self, gap_s: float) -> None:
+        """One gap between two consecutive outputs of a stream."""
+        self._itl.add(gap_s, self._clock())
+
+    def observe_e2e(self, e2e_s: float) -> None:
+        """A finished request's end-to-end latency: reported, not acted on."""
+        self._e2e.add(e2e_s, self._clock())
+
+    def queue_depth(self, depth: int) -> None:
+        """The admission queue's length, reported on every change."""
+        now = self._clock()
+        if depth <= 0:
+            self._nonempty_since = None
+        elif self._nonempty_since is None:
+            self._nonempty_since = now
+        self._queue_depth = max(depth, 0)
 
     def evaluate(self) -> None:
-        """Re-check the rule at the current time.
+        """Apply the rule at the current time: a state flips only after the
+        opposite condition has held at every evaluation for ``window_s``.
 
-        The server calls this periodically (say every second) so the controller
-        also moves when no request finishes, e.g. leaves once traffic stops.
+        The server calls this periodically, so the controller also moves when
+        no request arrives, e.g. leaves once traffic stops.
         """
-        self._evaluate_at(self._clock())
+        now = self._clock()
+        over, detail = self._condition(now)
+        t = self._timers
+        if over:
+            t.under_since = None
+            if t.over_since is None:
+                t.over_since = now
+        else:
+            t.over_since = None
+            if t.under_since is None:
+                t.under_since = now
+        if not self._auto_degraded and t.over_since is not None and now - t.over_since >= self.window_s:
+            self._set_auto(True, f"{detail} for {now - t.over_since:.0f}s")
+        elif self._auto_degraded and t.under_since is not None and now - t.under_since >= self.window_s:
+            self._set_auto(False, f"{detail} for {now - t.under_since:.0f}s")
 
     def force(self, state: bool | None) -> None:
         """Force degraded mode on (True) or off (False); None returns to automatic.
 
-        The automatic rule keeps tracking latency while forced, so returning to
+        The automatic rule keeps tracking while forced, so returning to
         automatic resumes from the current automatic state.
         """
         before = self.degraded
@@ -217,8 +225,8 @@ class DegradationController:
 
     @property
     def retained_slots(self) -> int:
-        """Time slots held in memory; bounded by ``eval_window_s / slot_s + 1``."""
-        return len(self._slots)
+        """Time slots held in memory by the busiest window (token gaps)."""
+        return max(h.retained_slots for h in (self._queue, self._ttft, self._itl, self._e2e))
 
     def max_tokens_cap(self) -> int:
         """The largest max_tokens a new request may run with (``NO_CAP`` when not degraded)."""
@@ -236,24 +244,29 @@ class DegradationController:
         return min(normal, self.degraded_chunk_tokens) if self.degraded else normal
 
     def snapshot(self) -> dict[str, Any]:
-        """State for ``/health``.
+        """State for ``/health`` and ``/admin/degrade``.
 
-        ``since`` is the controller clock's reading at the last change (None if
-        it never changed) and ``seconds_in_state`` how long ago that was.
-        p99 values are estimated from the buckets like ``histogram_quantile``,
-        over the evaluation window; None with no samples.
+        p99s are estimated from the buckets like ``histogram_quantile``, over
+        the evaluation window (None with no samples); ``p99_e2e_s`` is shown
+        for comparison with the alert, and never acted on. ``since`` is the
+        controller clock's reading at the last change (None if it never
+        changed) and ``seconds_in_state`` how long ago that was.
         """
         now = self._clock()
-        self._expire(now)
-        w = self._window
         return {
             "degraded": self.degraded,
             "forced": self._forced,
-            "p99_e2e_s": _rounded(self._quantile(w.e2e, w.e2e_n)),
-            "p99_ttft_s": _rounded(self._quantile(w.ttft, w.ttft_n)),
-            "samples": w.e2e_n,
-            "slo_p99_s": self.slo_p99_s,
+            "p99_queue_s": _rounded(self._queue.quantile(QUANTILE, now)),
+            "p99_ttft_s": _rounded(self._ttft.quantile(QUANTILE, now)),
+            "p99_itl_s": _rounded(self._itl.quantile(QUANTILE, now)),
+            "p99_e2e_s": _rounded(self._e2e.quantile(QUANTILE, now)),
+            "samples": self._queue.count(now),
+            "itl_samples": self._itl.count(now),
+            "queue_depth": self._queue_depth,
+            "queue_nonempty_s": None if self._nonempty_since is None else round(now - self._nonempty_since, 3),
+            "queue_slo_s": self.queue_slo_s,
             "ttft_slo_s": self.ttft_slo_s,
+            "itl_slo_s": self.itl_slo_s,
             "window_s": self.window_s,
             "eval_window_s": self.eval_window_s,
             "since": self._since,
@@ -263,46 +276,22 @@ class DegradationController:
 
     # ---------------------------------------------------------------- the rule
 
-    def _evaluate_at(self, now: float) -> None:
-        """Apply the rule at ``now``: a state flips only after the opposite
-        condition has held at every evaluation for ``window_s`` (hysteresis)."""
-        self._expire(now)
-        over, detail = self._condition()
-        t = self._timers
-        if over:
-            t.under_since = None
-            if t.over_since is None:
-                t.over_since = now
-        else:
-            t.over_since = None
-            if t.under_since is None:
-                t.under_since = now
-        if not self._auto_degraded and t.over_since is not None and now - t.over_since >= self.window_s:
-            self._set_auto(True, f"{detail} for {now - t.over_since:.0f}s")
-        elif self._auto_degraded and t.under_since is not None and now - t.under_since >= self.window_s:
-            self._set_auto(False, f"{detail} for {now - t.under_since:.0f}s")
-
-    def _condition(self) -> tuple[bool, str]:
-        """Whether p99 over the evaluation window is above an objective, and why.
+    def _condition(self, now: float) -> tuple[bool, str]:
+        """Whether any overload signal holds over the evaluation window, and which.
 
         Too few samples count as "not above": a quiet server cannot trigger,
         and a server whose traffic stopped recovers instead of staying
         degraded forever.
         """
-        w = self._window
-        if w.e2e_n >= self.min_samples and _above(w.e2e, w.e2e_n, self._slo_index):
-            p99 = self._quantile(w.e2e, w.e2e_n)
-            return True, f"p99 end-to-end {p99:.2f}s > {self.slo_p99_s:g}s"
-        if (
-            self._ttft_slo_index is not None
-            and w.ttft_n >= self.min_samples
-            and _above(w.ttft, w.ttft_n, self._ttft_slo_index)
-        ):
-            p99 = self._quantile(w.ttft, w.ttft_n)
-            return True, f"p99 time to first token {p99:.2f}s > {self._bounds[self._ttft_slo_index]:g}s"
-        if w.e2e_n < self.min_samples:
-            return False, f"fewer than {self.min_samples} samples in {self.eval_window_s:g}s"
-        return False, "p99 within the objective"
+        if self._queue.count(now) >= self.min_samples and self._queue.above(self.queue_slo_s, QUANTILE, now):
+            return True, f"p99 queue wait {self._queue.quantile(QUANTILE, now):.2f}s > {self.queue_slo_s:g}s"
+        if self.ttft_slo_s is not None and self._ttft.count(now) >= self.min_samples and self._ttft.above(self.ttft_slo_s, QUANTILE, now):
+            return True, f"p99 time to first token {self._ttft.quantile(QUANTILE, now):.2f}s > {self.ttft_slo_s:g}s"
+        if self._itl.count(now) >= self.min_itl_samples and self._itl.above(self.itl_slo_s, QUANTILE, now):
+            return True, f"p99 inter-token latency {self._itl.quantile(QUANTILE, now):.3f}s > {self.itl_slo_s:g}s"
+        if self._nonempty_since is not None and now - self._nonempty_since >= self.eval_window_s:
+            return True, f"admission queue non-empty for {now - self._nonempty_since:.0f}s without draining"
+        return False, "no overload signal"
 
     def _set_auto(self, degraded: bool, reason: str) -> None:
         before = self.degraded
@@ -321,62 +310,6 @@ class DegradationController:
         self._reason = reason
         if self._on_change is not None:
             self._on_change(after, reason)
-
-    # ------------------------------------------------------------- the buckets
-
-    def _zeros(self) -> list[int]:
-        return [0] * (len(self._bounds) + 1)  # +1: the +Inf bucket
-
-    def _slot_at(self, now: float) -> _Slot:
-        """The slot covering ``now``, created if needed (old slots are expired first)."""
-        self._expire(now)
-        start = math.floor(now / self.slot_s) * self.slot_s
-        if not self._slots or self._slots[-1].start != start:
-            self._slots.append(_Slot(start, self._zeros(), self._zeros()))
-        return self._slots[-1]
-
-    def _expire(self, now: float) -> None:
-        """Drop slots that ended before the evaluation window, keeping the totals in step."""
-        horizon = now - self.eval_window_s
-        w = self._window
-        while self._slots and self._slots[0].start + self.slot_s <= horizon:
-            old = self._slots.popleft()
-            for i, c in enumerate(old.e2e):
-                w.e2e[i] -= c
-            for i, c in enumerate(old.ttft):
-                w.ttft[i] -= c
-            w.e2e_n -= sum(old.e2e)
-            w.ttft_n -= sum(old.ttft)
-
-    def _quantile(self, counts: list[int], n: int) -> float | None:
-        """Estimate the p99 the way Prometheus' ``histogram_quantile`` does.
-
-        Linear interpolation inside the bucket holding the rank; a rank in the
-        +Inf bucket reports the highest finite bound.
-        """
-        if n == 0:
-            return None
-        rank = QUANTILE * n
-        cumulative = 0
-        for i, count in enumerate(counts):
-            below = cumulative
-            cumulative += count
-            if cumulative >= rank and count > 0:
-                if i == len(self._bounds):
-                    return self._bounds[-1]
-                lower = self._bounds[i - 1] if i > 0 else 0.0
-                return lower + (self._bounds[i] - lower) * (rank - below) / count
-        return self._bounds[-1]
-
-
-def _above(counts: list[int], n: int, objective_index: int) -> bool:
-    """p99 > objective, decided exactly: fewer than 99 % of the samples are <= the objective.
-
-    Exact (no interpolation) because the objective is itself a bucket bound,
-    at ``objective_index``; this is also what the interpolated p99 would say.
-    """
-    at_or_below = sum(counts[: objective_index + 1])
-    return at_or_below < QUANTILE * n
 
 
 def _rounded(value: float | None) -> float | None:

@@ -7,6 +7,7 @@ and the status code come from one place. Client mistakes are 4xx, always.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
@@ -39,9 +40,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> Response:
-        return Response(
-            json.dumps(self.body()).encode(), status_code=self.status, headers=self.headers, media_type="application/json"
-        )
+        return Response(json.dumps(self.body()).encode(), status_code=self.status, headers=self.headers, media_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -52,10 +51,23 @@ def unavailable(message: str, retry_after_s: float, code: str = "service_unavail
     return APIError(503, message, "service_unavailable", None, code, {"Retry-After": str(max(1, round(retry_after_s)))})
 
 
+def error_param(error: Mapping[str, Any]) -> str | None:
+    """The request field one pydantic error is about, dotted (``messages.0.content``).
+
+    A check on the whole body (no surrogates anywhere) names its field in
+    ``ctx["param"]``; otherwise it is the error's location, less FastAPI's
+    leading ``body``.
+    """
+    ctx = error.get("ctx") or {}
+    if ctx.get("param"):
+        return str(ctx["param"])
+    return ".".join(str(p) for p in error.get("loc", ()) if p != "body") or None
+
+
 def from_validation_error(exc: ValidationError) -> APIError:
     """The first pydantic error as a 400 naming the offending field."""
     first = exc.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in first.get("loc", ())) or None
+    param = error_param(first)
     message = first.get("msg", "Invalid request body.")
     return bad_request(f"Invalid value for '{param}': {message}" if param else message, param, "invalid_value")
 

@@ -8,14 +8,40 @@ Each app owns its registry, so several servers can live in one process (tests).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST, ProcessCollector
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0)
+from ember.engine.api import EngineSnapshot
+
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+)
+GC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -29,33 +55,64 @@ class ServerMetrics:
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
         m = ["model"]
-        self.request_duration = Histogram("llm_request_duration_seconds", "End-to-end request latency.", m, buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("llm_time_to_first_token_seconds", "Time to first token.", m + ["tier"], buckets=LATENCY_BUCKETS, registry=r)
+        # Every latency counts from the request's arrival at the server, admission wait included.
+        self.request_duration = Histogram(
+            "llm_request_duration_seconds",
+            "End-to-end request latency, from arrival (admission wait included).",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llm_time_to_first_token_seconds",
+            "Time to first token, from arrival (admission wait included).",
+            [*m, "tier"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.itl = Histogram("llm_inter_token_latency_seconds", "Time between streamed tokens.", m, buckets=ITL_BUCKETS, registry=r)
-        self.queue = Histogram("llm_request_queue_seconds", "Time from arrival to first scheduling.", m, buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(
+            "llm_request_queue_seconds",
+            "Time from arrival to first scheduling: admission wait plus the engine's queue (also requests whose deadline passed in the queue).",
+            m,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens received.", m, registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", m, registry=r)
-        self.requests = Counter("llm_requests", "Requests finished, by finish reason.", m + ["finish_reason"], registry=r)
-        self.errors = Counter("llm_request_errors", "Requests answered with an error, by HTTP status.", m + ["code"], registry=r)
+        self.requests = Counter("llm_requests", "Requests finished, by finish reason.", [*m, "finish_reason"], registry=r)
+        self.errors = Counter("llm_request_errors", "Requests answered with an error, by HTTP status.", [*m, "code"], registry=r)
         self.running = Gauge("llm_requests_running", "Requests in the engine's running set.", m, registry=r)
         self.waiting = Gauge("llm_requests_waiting", "Requests queued (engine and admission).", m, registry=r)
         self.kv_usage = Gauge("llm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests or hot sessions.", m, registry=r)
         self.kv_bytes = Gauge("llm_kv_cache_bytes", "Bytes of the preallocated KV block pool.", m, registry=r)
         self.degraded = Gauge("llm_degraded", "1 while the degradation controller is engaged.", m, registry=r)
-        self.rejected = Counter("llm_requests_rejected", "Requests refused by admission control.", m + ["reason", "priority"], registry=r)
-        self.max_tokens_clamped = Counter("llm_max_tokens_clamped", "Requests whose max_tokens was lowered by limits or degradation.", m, registry=r)
+        self.rejected = Counter("llm_requests_rejected", "Requests refused by admission control.", [*m, "reason", "priority"], registry=r)
+        self.max_tokens_clamped = Counter(
+            "llm_max_tokens_clamped", "Requests whose max_tokens was lowered by limits or degradation.", m, registry=r
+        )
         self.ready = Gauge("llm_ready", "1 when the model is loaded and warmed up.", m, registry=r)
+        # Collections hold the GIL: the event loop and the engine thread stop for their duration.
+        self.gc_pause = Histogram(
+            "llm_gc_pause_seconds",
+            "Duration of each garbage collection, by generation.",
+            [*m, "generation"],
+            buckets=GC_BUCKETS,
+            registry=r,
+        )
 
-    def bind_gauges(self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float], kv_bytes: Callable[[], float]) -> None:
+    def bind_gauges(
+        self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float], kv_bytes: Callable[[], float]
+    ) -> None:
         """Read live engine state at scrape time instead of pushing it every step."""
         self.running.labels(self.model).set_function(running)
         self.waiting.labels(self.model).set_function(waiting)
         self.kv_usage.labels(self.model).set_function(kv_usage)
         self.kv_bytes.labels(self.model).set_function(kv_bytes)
 
-    def bind_engine(self, engine: Any) -> None:
-        """Export counters the engine keeps itself (prefix cache, session tiers) at scrape time."""
-        self.registry.register(_EngineCollector(self.model, engine))
+    def bind_engine(self, snapshot: Callable[[], EngineSnapshot]) -> None:
+        """Export counters the engine keeps itself (prefix cache, session tiers) from its latest snapshot."""
+        self.registry.register(_EngineCollector(self.model, snapshot))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -65,36 +122,33 @@ SESSION_TIERS = ("hot", "warm", "disk")
 
 
 class _EngineCollector(Collector):
-    """Reads the engine's own counters when Prometheus scrapes (no per-step work)."""
+    """Reads the engine's own counters from its latest snapshot when Prometheus scrapes."""
 
-    def __init__(self, model: str, engine: Any) -> None:
+    def __init__(self, model: str, snapshot: Callable[[], EngineSnapshot]) -> None:
         self.model = model
-        self.engine = engine
+        self.snapshot = snapshot
 
     def collect(self) -> Iterator[Any]:
-        kv = self.engine.kv
+        snap = self.snapshot()
         queries = CounterMetricFamily("llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", labels=["model"])
-        queries.add_metric([self.model], kv.prefix_queries_tokens)
+        queries.add_metric([self.model], snap.prefix_query_tokens)
         yield queries
-        hits = CounterMetricFamily("llm_prefix_cache_hits", "Prompt tokens served from cache, by the tier they came from.", labels=["model", "tier"])
+        hits = CounterMetricFamily(
+            "llm_prefix_cache_hits", "Prompt tokens served from cache, by the tier they came from.", labels=["model", "tier"]
+        )
         for tier in SESSION_TIERS:
-            hits.add_metric([self.model, tier], kv.prefix_hit_tokens.get(tier, 0))
+            hits.add_metric([self.model, tier], snap.prefix_hit_tokens.get(tier, 0))
         yield hits
-        sessions = self.engine.sessions
-        count = GaugeMetricFamily("llm_sessions", "Conversations kept, by tier (disk: warm state spilled to disk).", labels=["model", "tier"])
+        count = GaugeMetricFamily(
+            "llm_sessions", "Conversations kept, by tier (disk: warm state spilled to disk).", labels=["model", "tier"]
+        )
         size = GaugeMetricFamily("llm_session_bytes", "Bytes held by each session tier.", labels=["model", "tier"])
         events = CounterMetricFamily("llm_session_transitions", "Session tier transitions and file events.", labels=["model", "event"])
-        if sessions is not None:
-            for tier, n in sessions.tier_counts().items():
-                count.add_metric([self.model, tier], n)
-            for tier, n in sessions.tier_bytes().items():
-                size.add_metric([self.model, tier], n)
-            for event, n in sorted(sessions.events.items()):
-                events.add_metric([self.model, event], n)
-        else:
-            for tier in SESSION_TIERS:
-                count.add_metric([self.model, tier], 0)
-                size.add_metric([self.model, tier], 0)
+        for tier in SESSION_TIERS:
+            count.add_metric([self.model, tier], snap.session_counts.get(tier, 0))
+            size.add_metric([self.model, tier], snap.session_bytes.get(tier, 0))
+        for event, n in sorted(snap.session_events.items()):
+            events.add_metric([self.model, event], n)
         yield count
         yield size
         yield events

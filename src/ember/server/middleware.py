@@ -1,9 +1,11 @@
 """The request pipeline in front of every route, as plain ASGI (no per-request tasks).
 
-In order: request id (echo ``X-Request-ID`` or make one) → API key (401) →
-body size limit (413, also for chunked bodies) → in-flight accounting → the
-access log line. Written as raw ASGI because Starlette's BaseHTTPMiddleware
-adds a task and a queue per request and interferes with streaming.
+In order: arrival time and request id (echo ``X-Request-ID`` when it is a
+reasonable token, else make one) → API key (401) → body size limit (413, also
+for chunked bodies) → in-flight accounting → unhandled errors (one log
+record, a 500 in OpenAI's shape) → the access log line. Written as raw ASGI
+because Starlette's BaseHTTPMiddleware adds a task and a queue per request
+and interferes with streaming.
 """
 
 from __future__ import annotations
@@ -12,20 +14,24 @@ import hmac
 import json
 import logging
 import time
-import tracemalloc
-import uuid
 from collections.abc import Mapping
 from typing import Any
 
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ember import webchat
 from ember.server.errors import APIError
+from ember.server.memory_peaks import MemoryPeaks
+from ember.server.request_ids import client_request_id
 from ember.server.state import ServerState
 
 access_log = logging.getLogger("ember.access")
+log = logging.getLogger("ember.server")
 
-# Reachable without an API key: liveness, readiness and scraping.
+# Reachable without an API key: liveness, readiness and scraping (and the chat
+# page, which holds no data: it asks for the key and sends it on /v1 calls).
 PUBLIC_PATHS = frozenset({"/health", "/ready", "/metrics", "/docs", "/openapi.json", "/redoc"})
 
 
@@ -45,8 +51,7 @@ class RequestPipeline:
         key = state.config.api_key
         self._api_key = key.encode() if key else None
         self._max_body = state.config.max_body_bytes
-        if state.config.trace_memory and not tracemalloc.is_tracing():
-            tracemalloc.start()
+        self._memory = MemoryPeaks() if state.config.trace_memory else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -54,10 +59,10 @@ class RequestPipeline:
             return
         started = time.perf_counter()
         headers = _headers(scope)
-        request_id = headers.get("x-request-id") or uuid.uuid4().hex
-        if len(request_id) > 128 or not request_id.isprintable():
-            request_id = uuid.uuid4().hex
+        request_id = client_request_id(headers.get("x-request-id"))
         scope.setdefault("state", {})
+        # The request clock starts here, before admission: see generation.Caller.
+        scope["state"]["arrived"] = time.monotonic()
         scope["state"]["request_id"] = request_id
         record: dict[str, Any] = {}
         scope["state"]["record"] = record
@@ -88,23 +93,34 @@ class RequestPipeline:
         counting = path.startswith("/v1/")
         if counting:
             self.state.in_flight += 1
-        if self.state.config.trace_memory:
-            tracemalloc.reset_peak()
+        tracked = self._memory.begin() if self._memory is not None else None
         try:
             await self.app(scope, self._limited(receive), send_with_id)
         except _BodyTooLarge:
             await _too_large(self._max_body)(scope, receive, send_with_id)
+        except Exception:
+            record["error"] = 500
+            if status_holder[0]:
+                # The reply has started and cannot become a 500: let the server
+                # close the connection; it logs the traceback, once.
+                raise
+            # Handled here rather than by an app-level handler: Starlette re-raises
+            # after calling that one, and uvicorn logged the same traceback again.
+            log.exception("unhandled error on %s %s (request %s)", scope.get("method"), path, request_id)
+            self.state.metrics.errors.labels(self.state.model_name, "500").inc()
+            error = APIError(500, "Internal server error.", "server_error", None, "internal_error")
+            await error.response()(scope, receive, send_with_id)
         finally:
             for done in scope["state"].get("on_done", ()):
                 done()  # e.g. give the admission slot back, however the exchange ended
             if counting:
                 self.state.in_flight -= 1
-            if self.state.config.trace_memory:
-                record["peak_python_bytes"] = tracemalloc.get_traced_memory()[1]
+            if tracked is not None and self._memory is not None:
+                record["process_peak_python_bytes"] = self._memory.end(tracked)
             self._log(scope, request_id, status_holder[0], started, record)
 
     def _authenticate(self, path: str, headers: dict[str, str], scope: Scope) -> None:
-        if path in PUBLIC_PATHS:
+        if path in PUBLIC_PATHS or webchat.is_page_path(path):
             return
         namespace = authenticate(self._api_key, headers)
         if namespace is not None:
@@ -139,7 +155,9 @@ def authenticate(api_key: bytes | None, headers: Mapping[str, str]) -> str | Non
     token = given[7:].strip() if given[:7].lower() == "bearer " else headers.get("x-api-key", "")
     # Constant-time compare: response time must not reveal how much of a key matched.
     if not hmac.compare_digest(token.encode(), api_key):
-        raise APIError(401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.", "authentication_error", None, "invalid_api_key")
+        raise APIError(
+            401, "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'.", "authentication_error", None, "invalid_api_key"
+        )
     # Session ids are namespaced by key; a digest, never the key itself.
     return hmac.new(b"ember-session", token.encode(), "sha256").hexdigest()[:16]
 
@@ -155,7 +173,17 @@ def log_access(method: str | None, path: str | None, request_id: str, status: in
         "status": status,
         "total_s": round(time.perf_counter() - started, 6),
     }
-    for key in ("prompt_tokens", "completion_tokens", "cached_tokens", "queue_s", "ttft_s", "finish_reason", "max_tokens", "peak_python_bytes", "error"):
+    for key in (
+        "prompt_tokens",
+        "completion_tokens",
+        "cached_tokens",
+        "queue_s",
+        "ttft_s",
+        "finish_reason",
+        "max_tokens",
+        "process_peak_python_bytes",
+        "error",
+    ):
         if key in record:
             value = record[key]
             line[key] = round(value, 6) if isinstance(value, float) else value
@@ -166,5 +194,5 @@ def _headers(scope: Scope) -> dict[str, str]:
     return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
 
 
-def _too_large(limit: int):
+def _too_large(limit: int) -> Response:
     return APIError(413, f"The request body exceeds {limit} bytes.", "invalid_request_error", None, "request_too_large").response()

@@ -1,22 +1,73 @@
 """OpenAI wire format: request bodies (pydantic) and response objects (plain dicts).
 
-Requests are validated with pydantic and turned into engine ``SamplingParams``;
-unknown fields are ignored, as OpenAI's API does. Responses are built as dicts
+Requests are validated with pydantic and turned into engine ``SamplingParams``.
+Fields that are not OpenAI's are ignored, as OpenAI's API does; OpenAI fields
+Ember does not implement are kept (``extra="allow"``) so that
+``server/unsupported.py`` can refuse them by name. Responses are built as dicts
 because they are serialised once per chunk on the hot path, where a pydantic
 round trip would cost more than the framing itself.
 """
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from ember.engine.request import FinishReason, Priority, TokenLogprob
+from ember.engine.api import FinishReason, Priority, TokenLogprob
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+# UTF-16 surrogates are not characters. JSON may spell one (``"\ud800"``); a
+# correctly paired escape decodes to its character, so any surrogate left in
+# a decoded string is lone or misordered, and no tokenizer can take it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+SURROGATE_ERROR = "lone_surrogate"
+
+
+def find_surrogate(value: Any, path: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The path of the first string (value or key) in a decoded JSON value holding a surrogate, or None."""
+    stack: list[tuple[Any, tuple[str, ...]]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii() and _SURROGATE.search(item):
+                return where
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if isinstance(key, str) and not key.isascii() and _SURROGATE.search(key):
+                    return where
+                stack.append((child, (*where, str(key))))
+        elif isinstance(item, list):
+            stack.extend((child, (*where, str(i))) for i, child in enumerate(item))
+    return None
+
+
+class TextBody(BaseModel):
+    """A request body whose every string is text: checked once, on the decoded JSON, before any field.
+
+    Every text field of every request (message contents and parts, names,
+    tool descriptions and schemas, stop strings, prompts, fields Ember
+    ignores...) passes here, whatever the route; a surrogate is a 400 naming
+    the field (``ctx["param"]``), never a tokenizer crash.
+    """
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        where = find_surrogate(data)
+        if where is not None:
+            param = ".".join(where) or None
+            raise PydanticCustomError(
+                SURROGATE_ERROR,
+                "contains a UTF-16 surrogate code point that is not part of a valid pair (not valid Unicode text)",
+                {"param": param},
+            )
+        return data
 
 
 class TextPart(BaseModel):
@@ -25,12 +76,90 @@ class TextPart(BaseModel):
     text: str
 
 
+# -- structured outputs and tools ----------------------------------------------
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    # Ember always enforces the schema; strict is accepted either way.
+    strict: bool | None = None
+
+
+class ResponseFormatText(BaseModel):
+    type: Literal["text"]
+
+
+class ResponseFormatJsonObject(BaseModel):
+    type: Literal["json_object"]
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str = Field(max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    # A JSON schema for the arguments object; omitted means no arguments.
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# -- messages ---------------------------------------------------------------------
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Role
     # A string or a list of text parts; images and audio are refused with a clear 400.
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # Assistant messages: the calls the model made. Tool messages: which call this answers.
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -48,10 +177,10 @@ class StreamOptions(BaseModel):
 PriorityName = Literal["high", "normal", "low"]
 
 
-class _GenerationFields(BaseModel):
+class _GenerationFields(TextBody):
     """Fields shared by /chat/completions and /completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -74,6 +203,18 @@ class _GenerationFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(default=None, ge=0.01, le=2.0)
+    # Token id (as a string, OpenAI's JSON shape) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"values must be between -100 and 100, got {bias} for token {key}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -88,6 +229,10 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_GenerationFields):
@@ -129,12 +274,22 @@ def finish_fields(reason: FinishReason | None, stop_reason: str | int | None) ->
     return {"finish_reason": reason.openai, "stop_reason": stop_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cache_tier: str) -> dict[str, Any]:
+    """OpenAI's ``usage`` object, plus Ember's ``prompt_tokens_details.cache_tier``.
+
+    ``cache_tier`` says where most of the cached prompt tokens came from: ``hot``
+    (KV blocks still in the pool), ``warm`` (restored from the warm tier in
+    RAM), ``disk`` (restored from the warm tier's files) or ``cold`` (nothing
+    reused, the prompt was computed). It is known only once
+    the request is scheduled, so it travels here, in the last chunk, rather than
+    in a response header. OpenAI clients keep unknown fields of
+    ``prompt_tokens_details`` (``usage.prompt_tokens_details.cache_tier``).
+    """
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached_tokens, "cache_tier": cache_tier},
     }
 
 
@@ -145,8 +300,4 @@ def chat_logprobs(entries: list[TokenLogprob], token_text: Any) -> dict[str, Any
         text = token_text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {
-        "content": [
-            {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries
-        ]
-    }
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}

@@ -21,8 +21,7 @@ from typing import Any
 import uvicorn
 
 from ember.config import EngineConfig, ServerConfig, SessionConfig
-from ember.engine.async_engine import AsyncEngine
-from ember.engine.engine import LLMEngine
+from ember.engine.api import AsyncEngine, check_chat_template_file
 from ember.server.app import create_app
 from ember.server.state import ServerState
 
@@ -48,13 +47,23 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
             self.force_exit = self.ember.draining
             return
-        self.ember.draining = True
-        log.info("received %s: draining %d in-flight request(s) for up to %.0fs", signal.Signals(sig).name, self.ember.in_flight, self.ember.config.drain_timeout_s)
+        start_draining(self.ember, sig)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
 
     async def _drain(self) -> None:
         await drain(self.ember)
         self.should_exit = True
+
+
+def start_draining(state: ServerState, sig: int) -> None:
+    """Turn new requests away (503) from now on, and say so: the first signal of a shutdown, under either server."""
+    state.draining = True
+    log.info(
+        "received %s: draining %d in-flight request(s) for up to %.0fs",
+        signal.Signals(sig).name,
+        state.in_flight,
+        state.config.drain_timeout_s,
+    )
 
 
 async def drain(state: ServerState) -> None:
@@ -63,13 +72,14 @@ async def drain(state: ServerState) -> None:
     The caller has set ``state.draining`` already, so new requests get 503 (UNAVAILABLE).
     """
     deadline = time.monotonic() + state.config.drain_timeout_s
-    while state.in_flight > 0 and time.monotonic() < deadline:
+    # in_flight is a plain counter that HTTP and gRPC handlers move; a 50 ms poll
+    # under a deadline is all draining needs.
+    while state.in_flight > 0 and time.monotonic() < deadline:  # noqa: ASYNC110
         await asyncio.sleep(0.05)
     engine = state.engine
     if state.in_flight > 0 and engine is not None:
-        log.warning("drain timeout: aborting %d request(s)", len(engine.engine.requests))
-        for request_id in list(engine.engine.requests):
-            engine.abort(request_id)
+        log.warning("drain timeout: aborting %d request(s)", state.in_flight)
+        engine.abort_all()
         await asyncio.sleep(0.2)
     log.info("drained; shutting down")
 
@@ -77,10 +87,10 @@ async def drain(state: ServerState) -> None:
 def build_state(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | None = None) -> ServerState:
     """A ServerState whose engine loads ``server.model`` with ``engine`` options."""
 
-    def factory() -> AsyncEngine:
-        return AsyncEngine(LLMEngine(server.model, engine, sessions=sessions))
-
-    return ServerState(server, factory, server.served_model_name)
+    template = check_chat_template_file(server.chat_template) if server.chat_template is not None else None
+    return ServerState(
+        server, lambda: AsyncEngine.for_model(server.model, engine, sessions, chat_template=template), server.served_model_name
+    )
 
 
 def serve(server: ServerConfig, engine: EngineConfig, sessions: SessionConfig | None = None) -> int:

@@ -27,7 +27,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from ember.server.serve import drain
+from ember.server.serve import drain, start_draining
 from ember.server.state import ServerState
 
 log = logging.getLogger("ember.server")
@@ -49,7 +49,7 @@ async def _serve(app: Any, state: ServerState) -> int:
     except ImportError as exc:
         raise SystemExit(f"--http2 needs granian: pip install 'ember[http2]' ({exc})") from None
     config = state.config
-    tls: dict[str, Path] = {}
+    tls: dict[str, Any] = {}
     if config.ssl_certfile:
         if not config.ssl_keyfile:
             raise SystemExit("--ssl-certfile needs --ssl-keyfile")
@@ -69,7 +69,13 @@ async def _serve(app: Any, state: ServerState) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.on_signal, sig)
-    log.info("serving HTTP/1.1 and HTTP/2 (%s) on %s://%s:%d", "ALPN" if tls else "h2c prior knowledge", "https" if tls else "http", config.host, config.port)
+    log.info(
+        "serving HTTP/1.1 and HTTP/2 (%s) on %s://%s:%d",
+        "ALPN" if tls else "h2c prior knowledge",
+        "https" if tls else "http",
+        config.host,
+        config.port,
+    )
     await server.serve()
     if not stopping.requested:
         log.error("the HTTP server stopped on its own (see the errors above)")
@@ -93,8 +99,7 @@ class _Stopper:
             self._draining.cancel()
             self.server.stop()
             return
-        self.state.draining = True
-        log.info("received %s: draining %d in-flight request(s) for up to %.0fs", signal.Signals(sig).name, self.state.in_flight, self.state.config.drain_timeout_s)
+        start_draining(self.state, sig)
         self._draining = asyncio.ensure_future(self._drain_then_stop())
 
     async def _drain_then_stop(self) -> None:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ember.config import ServerConfig
-from ember.engine.async_engine import AsyncEngine
-from ember.engine.sampling import SamplingParams
+from ember.engine.api import AsyncEngine, SamplingParams, grammar_available
 from ember.server.admission import Admission
+from ember.server.defaults import GenerationDefaults, resolve_defaults
 from ember.server.degrade import DegradationController
 from ember.server.metrics import ServerMetrics
+from ember.server.pauses import GCPauses, freeze_heap, preload_lazy_imports
 
 PRIORITY_NAMES = {0: "high", 1: "normal", 2: "low"}
 
@@ -45,12 +46,16 @@ class ServerState:
         self.draining = False
         self.started_at = time.time()
         self.in_flight = 0
+        # Tasks started from callbacks: the loop keeps only weak references to tasks.
+        self._background: set[asyncio.Future[None]] = set()
         self.load_seconds: float | None = None
         self.warmup_seconds: float | None = None
         self.degrade = DegradationController(
-            slo_p99_s=config.slo_p99_s,
-            window_s=config.slo_window_s,
+            queue_slo_s=config.slo_queue_p99_s,
+            itl_slo_s=config.slo_itl_p99_s,
             ttft_slo_s=config.slo_ttft_p99_s,
+            window_s=config.slo_window_s,
+            eval_window_s=config.slo_eval_window_s,
             min_samples=config.slo_min_samples,
             on_change=self._on_degrade_change,
         )
@@ -59,30 +64,49 @@ class ServerState:
             max_queue=config.max_queue,
             max_queued_tokens=config.max_queued_tokens,
             per_key_concurrency=config.per_key_concurrency,
-            on_reject=lambda reason, priority: self.metrics.rejected.labels(self.model_name, reason, PRIORITY_NAMES.get(priority, "normal")).inc(),
+            on_reject=lambda reason, priority: self.metrics.rejected.labels(
+                self.model_name, reason, PRIORITY_NAMES.get(priority, "normal")
+            ).inc(),
             shed_low=self.degrade.should_shed,
+            on_depth=self.degrade.queue_depth,
         )
         self.metrics.degraded.labels(self.model_name).set(0)
+        self.gc_pauses: GCPauses | None = None
         self._normal_chunk_tokens: int | None = None
+        # What requests get for the fields they leave out; the model's own values join once it loaded.
+        self.defaults = self._resolve_defaults({})
+
+    def _resolve_defaults(self, model_defaults: dict[str, float]) -> GenerationDefaults:
+        c = self.config
+        return resolve_defaults(c.profile, model_defaults, c.default_temperature, c.default_top_p)
 
     async def load(self) -> None:
         """Load the model off the event loop, warm it up, then flip ``ready``."""
         started = time.perf_counter()
+        engine = self._engine_factory()
         try:
-            engine = await asyncio.to_thread(self._engine_factory)
+            await engine.start_async()  # the engine thread builds the model
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.exception("model failed to load")
             return
-        engine.start()
         self.engine = engine
+        self._normal_chunk_tokens = engine.snapshot.max_num_batched_tokens
+        self.defaults = self._resolve_defaults(engine.info.generation_defaults)
         if self.config.served_model_name is None:
-            self.model_name = engine.engine.model_name
+            self.model_name = engine.info.model_name
             self.metrics.model = self.model_name
         self.load_seconds = time.perf_counter() - started
         self._bind_metrics()
         warm_started = time.perf_counter()
+        if grammar_available():
+            # The grammar compiler's view of the vocabulary takes ~0.3 s: not on a user's request.
+            await asyncio.to_thread(engine.warm_grammar)
         await self.warmup()
+        preload_lazy_imports()
+        freeze_heap()  # the model's heap out of every later collection (server/pauses.py)
+        # From here on: pauses while serving, not those of loading.
+        self.gc_pauses = GCPauses(lambda generation, s: self.metrics.gc_pause.labels(self.model_name, str(generation)).observe(s))
         self.warmup_seconds = time.perf_counter() - warm_started
         self.ready = True
         self.metrics.ready.labels(self.model_name).set(1)
@@ -97,51 +121,49 @@ class ServerState:
             params = SamplingParams(max_tokens=8, temperature=0.0 if i % 2 == 0 else 0.7, top_p=0.9, logprobs=1 if i == 1 else None)
             async for _ in self.engine.generate(f"warmup-{i}", prompt, params):
                 pass
-        self.engine.engine.kv.pool.reset_prefix_cache()  # users start from a clean cache
+        await self.engine.reset_prefix_cache()  # users start from a clean cache
 
     def _bind_metrics(self) -> None:
-        assert self.engine is not None
-        core = self.engine.engine
-        admission_waiting = lambda: 0 if self.admission is None else self.admission.num_waiting  # noqa: E731
+        engine = self.engine
+        assert engine is not None
         self.metrics.bind_gauges(
-            running=lambda: core.scheduler.num_running,
-            waiting=lambda: core.scheduler.num_waiting + admission_waiting(),
-            kv_usage=core.kv_usage,
-            kv_bytes=lambda: core.kv.total_bytes,
+            running=lambda: engine.snapshot.running,
+            waiting=lambda: engine.snapshot.waiting + self.admission.num_waiting,
+            kv_usage=lambda: engine.snapshot.kv_usage,
+            kv_bytes=lambda: engine.info.kv_cache_bytes,
         )
-        self.metrics.bind_engine(core)
+        self.metrics.bind_engine(lambda: engine.snapshot)
 
     async def shutdown(self) -> None:
+        if self.gc_pauses is not None:
+            self.gc_pauses.close()
         if self.engine is None:
             return
-        if self.engine.engine.sessions is not None and self.engine.is_running:
+        info = self.engine.info
+        if info.sessions_enabled and self.engine.is_running:
             # Hot conversations survive a restart when a session_dir is set.
-            written = await self.engine.call(lambda core: core.sessions.persist_all())
+            written = await self.engine.persist_sessions()
             if written:
-                log.info("persisted %d session(s) to %s", written, self.engine.engine.sessions.config.session_dir)
+                log.info("persisted %d session(s) to %s", written, info.session_dir)
         await asyncio.to_thread(self.engine.stop)
 
     def _on_degrade_change(self, degraded: bool, reason: str) -> None:
         log.warning("degradation %s: %s", "ENGAGED" if degraded else "released", reason)
         self.metrics.degraded.labels(self.model_name).set(1 if degraded else 0)
         if self.engine is not None:
-            asyncio.ensure_future(self._apply_chunk_size())
+            task = asyncio.ensure_future(self._apply_chunk_size())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _apply_chunk_size(self) -> None:
         """Smaller prefill chunks while degraded protect running streams' inter-token latency."""
-        assert self.engine is not None
-        scheduler = self.engine.engine.scheduler
-        if self._normal_chunk_tokens is None:
-            self._normal_chunk_tokens = scheduler.max_num_batched_tokens
-        tokens = self.degrade.prefill_chunk_tokens(self._normal_chunk_tokens)
+        assert self.engine is not None and self._normal_chunk_tokens is not None
+        await self.engine.set_prefill_chunk_tokens(self.degrade.prefill_chunk_tokens(self._normal_chunk_tokens))
 
-        def apply(core) -> None:
-            core.scheduler.max_num_batched_tokens = tokens
-
-        await self.engine.call(apply)
-
-    async def watch_latency(self, period_s: float = 1.0) -> None:
-        """Re-evaluate the degradation rule even when no request finishes."""
+    async def watch_latency(self) -> None:
+        """Evaluate the degradation rule periodically: every second, or a tenth
+        of the evaluation window when that is shorter (short windows in tests)."""
+        period_s = min(1.0, self.degrade.eval_window_s / 10)
         while True:
             await asyncio.sleep(period_s)
             self.degrade.evaluate()

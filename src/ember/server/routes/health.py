@@ -20,7 +20,11 @@ async def health(http: Request) -> dict[str, Any]:
     if state.load_error:
         body["error"] = state.load_error
     body["degraded"] = state.degrade.snapshot()
-    body["admission"] = {"running": state.admission.running, "waiting": state.admission.num_waiting, "drain_rate_per_s": round(state.admission.drain.rate, 3)}
+    body["admission"] = {
+        "running": state.admission.running,
+        "waiting": state.admission.num_waiting,
+        "drain_rate_per_s": round(state.admission.drain.rate, 3),
+    }
     return body
 
 

@@ -14,7 +14,9 @@ router = APIRouter()
 def _model_card(state: Any) -> dict[str, Any]:
     card: dict[str, Any] = {"id": state.model_name, "object": "model", "created": int(state.started_at), "owned_by": "ember"}
     if state.engine is not None:
-        card["max_model_len"] = state.engine.engine.max_model_len
+        card["max_model_len"] = state.engine.info.max_model_len
+    # What a request gets for the sampling fields it leaves out, and where each value comes from.
+    card["generation_defaults"] = state.defaults.card()
     return card
 
 
