@@ -13,7 +13,9 @@ Building blocks for other benchmarks (an overload test, an engine benchmark)::
 Modules: ``workloads`` (what to send), ``sender`` (one request over httpx),
 ``loadgen`` (closed loop, open loop, conversations), ``record`` (one request's
 timings), ``metrics`` (TTFT, TPOT, ITL, E2E, throughput, goodput), ``result``
-(JSON files), ``report`` (Markdown and plots), ``compare``, ``cli``.
+(JSON files), ``report`` (Markdown), ``plots`` (PNG, the ``plots`` extra),
+``compare``, ``cli``. The project's own experiments (servers it starts itself,
+quoted targets) are in the repository's ``benchmarks/``, not in this package.
 """
 
 from ember.bench.loadgen import RunResult, poisson_arrival_times, run_closed_loop, run_conversations, run_open_loop
@@ -24,6 +26,7 @@ from ember.bench.sender import BenchError, Sender, Target
 from ember.bench.workloads import Conversation, RequestSpec, prefill_requests, story_requests
 
 __all__ = [
+    "SLO",
     "BenchError",
     "BenchResult",
     "Clock",
@@ -32,7 +35,6 @@ __all__ = [
     "RequestRecord",
     "RequestSpec",
     "RunResult",
-    "SLO",
     "Section",
     "Sender",
     "Stats",

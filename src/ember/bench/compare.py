@@ -1,4 +1,4 @@
-"""``ember bench compare A B``: two result directories side by side (tables and plots).
+"""``ember bench compare A B``: two result directories side by side (tables, and plots with matplotlib).
 
 Groups are matched by label (``c=4 max_tokens=32`` with ``c=4 max_tokens=32``);
 when the two runs share no label at all (say ``single`` against ``load``)
@@ -7,18 +7,12 @@ they are matched by position instead. Changes are B relative to A.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from ember.bench.metrics import Summary  # noqa: E402
-from ember.bench.report import MISSING, cdf_line, fmt_ms, fmt_number, fmt_percent, is_missing, markdown_table, save_figure  # noqa: E402
-from ember.bench.result import BenchResult, Group, load_result  # noqa: E402
+from ember.bench.metrics import Summary
+from ember.bench.report import MISSING, fmt_ms, fmt_number, fmt_percent, is_missing, markdown_table
+from ember.bench.result import BenchResult, Group, load_result
 
 COMPARE_MARKDOWN = "compare.md"
 
@@ -60,10 +54,13 @@ def change(a: float | None, b: float | None) -> float | None:
     return (b - a) / a  # type: ignore[operator]
 
 
-def compare_markdown(a: BenchResult, b: BenchResult, name_a: str, name_b: str) -> str:
-    """The side-by-side tables, one per matched group."""
+def compare_markdown(a: BenchResult, b: BenchResult, name_a: str, name_b: str, plot_files: Sequence[str] = ()) -> str:
+    """The side-by-side tables, one per matched group, then the plots named in ``plot_files``."""
     parts = [f"# ember bench compare: A = {name_a}, B = {name_b}", ""]
-    parts += [f"- A: {a.workload} at `{a.config.get('url')}` ({a.started_at})", f"- B: {b.workload} at `{b.config.get('url')}` ({b.started_at})"]
+    parts += [
+        f"- A: {a.workload} at `{a.config.get('url')}` ({a.started_at})",
+        f"- B: {b.workload} at `{b.config.get('url')}` ({b.started_at})",
+    ]
     differing = sorted(k for k in set(a.config) | set(b.config) if a.config.get(k) != b.config.get(k))
     if differing:
         parts.append("- configuration differences: " + ", ".join(f"{k}: `{a.config.get(k)}` → `{b.config.get(k)}`" for k in differing))
@@ -74,57 +71,28 @@ def compare_markdown(a: BenchResult, b: BenchResult, name_a: str, name_b: str) -
             vb = value(gb.summary) if gb else None
             rows.append([name, fmt(va) if ga else MISSING, fmt(vb) if gb else MISSING, fmt_percent(change(va, vb), signed=True)])
         parts += ["", f"## {label}", "", markdown_table(["metric", "A", "B", "B vs A"], rows)]
-    parts += ["", "## Plots", "", "![compare_latency_cdf](compare_latency_cdf.png)", "", "![compare_metrics](compare_metrics.png)", ""]
-    return "\n".join(parts)
+    if plot_files:
+        parts += ["", "## Plots"]
+        for name in plot_files:
+            parts += ["", f"![{Path(name).stem}]({name})"]
+    return "\n".join([*parts, ""])
 
 
-def plot_compare_cdf(a: BenchResult, b: BenchResult, names: tuple[str, str], path: Path) -> None:
-    """TTFT and E2E CDFs of all successful requests of A (solid) and B (dashed)."""
-    fig, (ttft_ax, e2e_ax) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for result, name, style in ((a, names[0], "-"), (b, names[1], "--")):
-        done = [r for r in result.records if r.ok]
-        cdf_line(ttft_ax, [r.ttft_s for r in done if r.ttft_s is not None], f"A: {name}" if result is a else f"B: {name}", linestyle=style)
-        cdf_line(e2e_ax, [r.e2e_s for r in done if r.e2e_s is not None], f"A: {name}" if result is a else f"B: {name}", linestyle=style)
-    for ax, title in ((ttft_ax, "TTFT CDF"), (e2e_ax, "E2E latency CDF")):
-        ax.set(title=title, xlabel="ms", ylabel="fraction of requests", ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-    save_figure(fig, path)
-
-
-def plot_compare_metrics(a: BenchResult, b: BenchResult, names: tuple[str, str], path: Path) -> None:
-    """Bars per matched group: requests/s, TTFT p50 and mean E2E latency, A beside B."""
-    pairs = matched_groups(a, b)
-    panels = [("requests/s", lambda s: s.request_throughput, 1.0), ("TTFT p50 (ms)", lambda s: s.ttft.p50, 1000.0),
-              ("mean E2E (ms)", lambda s: s.e2e.mean, 1000.0)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2))
-    x = np.arange(len(pairs))
-    for ax, (title, value, scale) in zip(axes, panels):
-        for offset, side, name in ((-0.2, 1, names[0]), (0.2, 2, names[1])):
-            heights = []
-            for pair in pairs:
-                group = pair[side]
-                v = value(group.summary) if group is not None else None
-                heights.append(0.0 if is_missing(v) else v * scale)  # type: ignore[operator]
-            ax.bar(x + offset, heights, width=0.4, label=f"{'A' if side == 1 else 'B'}: {name}")
-        ax.set_xticks(x, [p[0] for p in pairs], rotation=30, ha="right", fontsize="small")
-        ax.set(title=title)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].legend(fontsize="small")
-    save_figure(fig, path)
-
-
-def write_comparison(path_a: Path, path_b: Path, out_dir: Path) -> list[Path]:
-    """Load two result directories and write ``compare.md`` and two PNGs into ``out_dir``."""
+def write_comparison(path_a: Path, path_b: Path, out_dir: Path, *, plots: bool = True) -> list[Path]:
+    """Load two result directories and write ``compare.md``, and two PNGs with ``plots`` (matplotlib), into ``out_dir``."""
     a, b = load_result(path_a), load_result(path_b)
     names = (_name(path_a), _name(path_b))
     out_dir.mkdir(parents=True, exist_ok=True)
-    cdf, bars, markdown = out_dir / "compare_latency_cdf.png", out_dir / "compare_metrics.png", out_dir / COMPARE_MARKDOWN
-    plot_compare_cdf(a, b, names, cdf)
-    plot_compare_metrics(a, b, names, bars)
-    markdown.write_text(compare_markdown(a, b, *names))
-    return [markdown, cdf, bars]
+    pngs: list[Path] = []
+    if plots:
+        from ember.bench.plots import plot_compare_cdf, plot_compare_metrics  # matplotlib: only when drawing
+
+        pngs = [out_dir / "compare_latency_cdf.png", out_dir / "compare_metrics.png"]
+        plot_compare_cdf(a, b, names, pngs[0])
+        plot_compare_metrics(a, b, names, pngs[1])
+    markdown = out_dir / COMPARE_MARKDOWN
+    markdown.write_text(compare_markdown(a, b, *names, plot_files=[p.name for p in pngs]))
+    return [markdown, *pngs]
 
 
 def _name(path: Path) -> str:

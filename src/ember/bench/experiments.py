@@ -70,12 +70,23 @@ class BenchContext:
         send, on_record = self.sender.send, self.progress.on_record
         if rate is not None:
             return await run_open_loop(
-                send, make_spec, rate=rate, seed=self.seed, clock=self.clock,
-                max_requests=requests, duration_s=duration_s, on_record=on_record,
+                send,
+                make_spec,
+                rate=rate,
+                seed=self.seed,
+                clock=self.clock,
+                max_requests=requests,
+                duration_s=duration_s,
+                on_record=on_record,
             )
         return await run_closed_loop(
-            send, make_spec, concurrency=concurrency, clock=self.clock,
-            max_requests=requests, duration_s=duration_s, on_record=on_record,
+            send,
+            make_spec,
+            concurrency=concurrency,
+            clock=self.clock,
+            max_requests=requests,
+            duration_s=duration_s,
+            on_record=on_record,
         )
 
 
@@ -126,7 +137,15 @@ async def run_prefill(
     cached = describe(r.cached_tokens for r in done if r.cached_tokens is not None)
     table = markdown_table(
         ["prompt tokens (mean)", "cached tokens (mean)", "TTFT p50 (ms)", "prefill tokens/s (mean)", "prefill tokens/s (p50)"],
-        [[fmt_number(prompt.mean, 0), fmt_number(cached.mean, 1), fmt_ms(group.summary.ttft.p50), fmt_number(speed.mean, 0), fmt_number(speed.p50, 0)]],
+        [
+            [
+                fmt_number(prompt.mean, 0),
+                fmt_number(cached.mean, 1),
+                fmt_ms(group.summary.ttft.p50),
+                fmt_number(speed.mean, 0),
+                fmt_number(speed.p50, 0),
+            ]
+        ],
     )
     note = (
         "Every prompt starts with a unique line, so no prefix cache can serve it (the cached-token column, "
@@ -155,11 +174,13 @@ async def run_load_test(
     sections = []
     if rate is not None:
         lag = describe(r.start_s - r.scheduled_s for r in group.records)
-        sections.append(Section(
-            "Open loop",
-            f"Poisson arrivals at {rate:g} requests/s (seed {ctx.seed}). Client send lag behind schedule: "
-            f"mean {fmt_ms(lag.mean)} ms, p99 {fmt_ms(lag.p99)} ms (near 0 means the client kept up).",
-        ))
+        sections.append(
+            Section(
+                "Open loop",
+                f"Poisson arrivals at {rate:g} requests/s (seed {ctx.seed}). Client send lag behind schedule: "
+                f"mean {fmt_ms(lag.mean)} ms, p99 {fmt_ms(lag.p99)} ms (near 0 means the client kept up).",
+            )
+        )
     return BenchResult("load", ctx.config(ignore_eos=ignore_eos, **params), [group], ctx.slo, sections=sections)
 
 
@@ -187,8 +208,13 @@ async def run_sweep(
             make = story_requests(max_tokens, ignore_eos=ignore_eos, group=label)
             run = await ctx.run_load(label, make, concurrency=concurrency, requests=count, duration_s=duration_per_point_s)
             groups.append(make_group(label, {"concurrency": concurrency, "max_tokens": max_tokens, "requests": count}, run, ctx.slo))
-    config = ctx.config(concurrency=concurrencies, max_tokens=max_tokens_list, requests_per_point=requests_per_point,
-                        duration_per_point_s=duration_per_point_s, ignore_eos=ignore_eos)
+    config = ctx.config(
+        concurrency=concurrencies,
+        max_tokens=max_tokens_list,
+        requests_per_point=requests_per_point,
+        duration_per_point_s=duration_per_point_s,
+        ignore_eos=ignore_eos,
+    )
     return BenchResult("sweep", config, groups, ctx.slo, plots=["latency_cdf", "throughput_vs_concurrency", "latency_vs_max_tokens"])
 
 
@@ -201,18 +227,37 @@ async def run_multiturn(
     chats = [Conversation(i, system_words=system_words, seed=ctx.seed, run_id=run_id) for i in range(conversations)]
     ctx.progress.phase("multiturn", conversations * turns)
     run = await run_conversations(
-        ctx.sender.send, chats, turns=turns, max_tokens=max_tokens, clock=ctx.clock, ignore_eos=ignore_eos,
-        think_time_s=think_time_s, group="multiturn", on_record=ctx.progress.on_record,
+        ctx.sender.send,
+        chats,
+        turns=turns,
+        max_tokens=max_tokens,
+        clock=ctx.clock,
+        ignore_eos=ignore_eos,
+        think_time_s=think_time_s,
+        group="multiturn",
+        on_record=ctx.progress.on_record,
     )
-    params = {"conversations": conversations, "turns": turns, "system_words": system_words,
-              "max_tokens": max_tokens, "think_time_s": think_time_s}
+    params = {
+        "conversations": conversations,
+        "turns": turns,
+        "system_words": system_words,
+        "max_tokens": max_tokens,
+        "think_time_s": think_time_s,
+    }
     group = make_group("multiturn", params, run, ctx.slo)
     ttft = stats_by(group.records, lambda r: r.turn, lambda r: r.ttft_s)
     prompt = stats_by(group.records, lambda r: r.turn, lambda r: r.prompt_tokens)
     cached = stats_by(group.records, lambda r: r.turn, lambda r: r.cached_tokens)
     rows = [
-        [str(turn), str(stats.count), fmt_number(prompt[turn].mean if turn in prompt else None, 0),
-         fmt_number(cached[turn].mean if turn in cached else None, 0), fmt_ms(stats.mean), fmt_ms(stats.p50), fmt_ms(stats.p99)]
+        [
+            str(turn),
+            str(stats.count),
+            fmt_number(prompt[turn].mean if turn in prompt else None, 0),
+            fmt_number(cached[turn].mean if turn in cached else None, 0),
+            fmt_ms(stats.mean),
+            fmt_ms(stats.p50),
+            fmt_ms(stats.p99),
+        ]
         for turn, stats in ttft.items()
     ]
     table = markdown_table(["turn", "requests", "prompt tokens", "cached tokens", "TTFT mean (ms)", "TTFT p50 (ms)", "TTFT p99 (ms)"], rows)

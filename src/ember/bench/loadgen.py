@@ -59,9 +59,7 @@ def _check_bounds(max_requests: int | None, duration_s: float | None) -> None:
         raise ValueError("duration_s must be > 0")
 
 
-def poisson_arrival_times(
-    rate: float, *, seed: int, max_requests: int | None = None, duration_s: float | None = None
-) -> Iterator[float]:
+def poisson_arrival_times(rate: float, *, seed: int, max_requests: int | None = None, duration_s: float | None = None) -> Iterator[float]:
     """Arrival times in seconds of a Poisson process at ``rate`` per second.
 
     The first request arrives at 0 (the run starts with work); each later one

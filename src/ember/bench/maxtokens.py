@@ -77,17 +77,23 @@ def verdict(points: list[Point], concurrency: int) -> str:
     low, high = (latency_rise_for_qps_drop(d) for d in CLAIM_QPS_DROP)
     in_flight = ", ".join(fmt_number(p.in_flight, 2) for p in points)
     lines = [
-        f"From max_tokens {base.max_tokens} to {last.max_tokens}, QPS fell by **{fmt_percent(drop)}** "
-        f"(claim 40–60 %: {'holds' if qps_holds else 'does not hold'}) and mean latency rose by "
-        f"**{fmt_percent(rise)}** (claim ~30 %, read as 20–40 %: {'holds' if latency_holds else 'does not hold'}).",
+        (
+            f"From max_tokens {base.max_tokens} to {last.max_tokens}, QPS fell by **{fmt_percent(drop)}** "
+            f"(claim 40–60 %: {'holds' if qps_holds else 'does not hold'}) and mean latency rose by "
+            f"**{fmt_percent(rise)}** (claim ~30 %, read as 20–40 %: {'holds' if latency_holds else 'does not hold'})."
+        ),
         "",
-        f"Little's law, L = λW, keeps L at the concurrency in a closed loop, so QPS ∝ 1 / latency: a 40–60 % QPS "
-        f"drop implies a {fmt_percent(low)}–{fmt_percent(high)} latency rise, and a 30 % latency rise implies only a "
-        f"{fmt_percent(1 - 1 / 1.3)} QPS drop. The two halves of the claim cannot both hold at fixed concurrency.",
+        (
+            f"Little's law, L = λW, keeps L at the concurrency in a closed loop, so QPS ∝ 1 / latency: a 40–60 % QPS "
+            f"drop implies a {fmt_percent(low)}–{fmt_percent(high)} latency rise, and a 30 % latency rise implies only a "
+            f"{fmt_percent(1 - 1 / 1.3)} QPS drop. The two halves of the claim cannot both hold at fixed concurrency."
+        ),
         "",
-        f"Measured λW per point: {in_flight} requests in flight (concurrency {concurrency}). From the measured QPS "
-        f"drop the law predicts a latency rise of {fmt_percent(latency_rise_for_qps_drop(drop))}; measured "
-        f"{fmt_percent(rise)}.",
+        (
+            f"Measured λW per point: {in_flight} requests in flight (concurrency {concurrency}). From the measured QPS "
+            f"drop the law predicts a latency rise of {fmt_percent(latency_rise_for_qps_drop(drop))}; measured "
+            f"{fmt_percent(rise)}."
+        ),
     ]
     short = [p for p in points if p.mean_output_tokens < FULL_LENGTH_SHARE * p.max_tokens]
     if short:
@@ -100,13 +106,25 @@ def points_table(points: list[Point]) -> str:
     base = points[0]
     rows = [
         [
-            str(p.max_tokens), fmt_number(p.qps, 2), fmt_ms(p.mean_latency_s),
-            fmt_percent(p.qps / base.qps - 1, signed=True), fmt_percent(p.mean_latency_s / base.mean_latency_s - 1, signed=True),
-            fmt_number(p.mean_output_tokens, 1), fmt_number(p.in_flight, 2),
+            str(p.max_tokens),
+            fmt_number(p.qps, 2),
+            fmt_ms(p.mean_latency_s),
+            fmt_percent(p.qps / base.qps - 1, signed=True),
+            fmt_percent(p.mean_latency_s / base.mean_latency_s - 1, signed=True),
+            fmt_number(p.mean_output_tokens, 1),
+            fmt_number(p.in_flight, 2),
         ]
         for p in points
     ]
-    headers = ["max_tokens", "QPS", "mean latency (ms)", f"QPS vs {base.max_tokens}", f"latency vs {base.max_tokens}", "output tokens (mean)", "λW"]
+    headers = [
+        "max_tokens",
+        "QPS",
+        "mean latency (ms)",
+        f"QPS vs {base.max_tokens}",
+        f"latency vs {base.max_tokens}",
+        "output tokens (mean)",
+        "λW",
+    ]
     return markdown_table(headers, rows)
 
 
@@ -115,7 +133,7 @@ def ab_command(body_file: str, concurrency: int, requests: int, url: str, api_ke
     command = ["ab", "-c", str(concurrency), "-n", str(requests), "-l", "-p", body_file, "-T", "application/json"]
     if api_key:
         command += ["-H", f"Authorization: Bearer {api_key}"]
-    return command + [url.rstrip("/") + "/chat/completions"]
+    return [*command, url.rstrip("/") + "/chat/completions"]
 
 
 _AB_QPS = re.compile(r"^Requests per second:\s+([0-9.]+)", re.MULTILINE)
@@ -129,7 +147,11 @@ def parse_ab(output: str) -> dict[str, float]:
     if qps is None or latency is None:
         raise ValueError("no 'Requests per second' / 'Time per request' in ab's output")
     failed = _AB_FAILED.search(output)
-    return {"qps": float(qps.group(1)), "mean_latency_s": float(latency.group(1)) / 1000.0, "non_2xx": float(failed.group(1)) if failed else 0.0}
+    return {
+        "qps": float(qps.group(1)),
+        "mean_latency_s": float(latency.group(1)) / 1000.0,
+        "non_2xx": float(failed.group(1)) if failed else 0.0,
+    }
 
 
 async def run_max_tokens(
@@ -142,10 +164,12 @@ async def run_max_tokens(
         label = f"max_tokens={max_tokens}"
         make = story_requests(max_tokens, ignore_eos=ignore_eos, group=label)
         run = await ctx.run_load(label, make, concurrency=concurrency, requests=requests_per_point)
-        groups.append(make_group(label, {"concurrency": concurrency, "max_tokens": max_tokens, "requests": requests_per_point}, run, ctx.slo))
+        groups.append(
+            make_group(label, {"concurrency": concurrency, "max_tokens": max_tokens, "requests": requests_per_point}, run, ctx.slo)
+        )
     points = [point_of(g) for g in groups]
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 (once, after the load: blocks nothing in flight)
     commands: list[list[str]] = []
     for max_tokens in max_tokens_list:
         # The same body for every request (ab cannot vary it), not streamed: ab does not read SSE.
@@ -164,10 +188,21 @@ async def run_max_tokens(
         Section("Verdict", verdict(points, concurrency)),
         Section("The same with ab", ab_text),
     ]
-    config = ctx.config(concurrency=concurrency, max_tokens=max_tokens_list, requests_per_point=requests_per_point,
-                        ignore_eos=ignore_eos, prompt=story_prompt(0)[0]["content"])
-    extras = {"points": [asdict(p) | {"in_flight": p.in_flight} for p in points], "ab_commands": [shlex.join(c) for c in commands], "ab": ab_results}
-    return BenchResult("max-tokens", config, groups, ctx.slo, plots=["latency_cdf", "qps_latency_vs_max_tokens"], sections=sections, extras=extras)
+    config = ctx.config(
+        concurrency=concurrency,
+        max_tokens=max_tokens_list,
+        requests_per_point=requests_per_point,
+        ignore_eos=ignore_eos,
+        prompt=story_prompt(0)[0]["content"],
+    )
+    extras = {
+        "points": [asdict(p) | {"in_flight": p.in_flight} for p in points],
+        "ab_commands": [shlex.join(c) for c in commands],
+        "ab": ab_results,
+    }
+    return BenchResult(
+        "max-tokens", config, groups, ctx.slo, plots=["latency_cdf", "qps_latency_vs_max_tokens"], sections=sections, extras=extras
+    )
 
 
 async def _run_ab(commands: list[list[str]], out_dir: Path) -> tuple[dict[str, dict[str, float]], str]:

@@ -148,7 +148,7 @@ class Summary:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Summary:
         stats_fields = ("ttft", "tpot", "itl", "e2e", "connect", "tls")
-        values = {key: (Stats(**value) if key in stats_fields else value) for key, value in data.items()}
+        values: dict[str, Any] = {key: (Stats(**value) if key in stats_fields else value) for key, value in data.items()}
         return cls(**values)
 
 

@@ -13,6 +13,7 @@ chunk, the finish chunk and the usage chunk carry none and are not listed.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -96,7 +97,7 @@ class RequestRecord:
     def itl_s(self) -> list[float]:
         """Inter-token latencies: gaps between consecutive text chunks (empty for one chunk)."""
         times = self.chunk_times_s
-        return [later - earlier for earlier, later in zip(times, times[1:])]
+        return [later - earlier for earlier, later in itertools.pairwise(times)]
 
     @property
     def tpot_s(self) -> float | None:

@@ -53,8 +53,12 @@ async def run_router_overhead(
     for round_index in range(rounds):
         for path in (DIRECT, ROUTED) if round_index % 2 == 0 else (ROUTED, DIRECT):
             run = await run_closed_loop(
-                senders[path].send, many, concurrency=concurrency, clock=ctx.clock,
-                max_requests=requests, on_record=ctx.progress.on_record,
+                senders[path].send,
+                many,
+                concurrency=concurrency,
+                clock=ctx.clock,
+                max_requests=requests,
+                on_record=ctx.progress.on_record,
             )
             load_runs[path].append(run)
 
@@ -83,10 +87,13 @@ async def run_router_overhead(
     table = markdown_table(
         ["metric", "direct", "routed", "router's share"],
         [
-            ["TTFT p50 (ms), one stream", fmt_ms(ttft_p50[DIRECT]), fmt_ms(ttft_p50[ROUTED]),
-             f"{overhead_s * 1000:+.2f} ms"],
-            [f"output tokens/s, {concurrency} streams", fmt_number(tokens_per_s[DIRECT], 1),
-             fmt_number(tokens_per_s[ROUTED], 1), f"{fmt_percent(loss)} loss"],
+            ["TTFT p50 (ms), one stream", fmt_ms(ttft_p50[DIRECT]), fmt_ms(ttft_p50[ROUTED]), f"{overhead_s * 1000:+.2f} ms"],
+            [
+                f"output tokens/s, {concurrency} streams",
+                fmt_number(tokens_per_s[DIRECT], 1),
+                fmt_number(tokens_per_s[ROUTED], 1),
+                f"{fmt_percent(loss)} loss",
+            ],
         ],
     )
     note = (
@@ -97,8 +104,15 @@ async def run_router_overhead(
     )
     return BenchResult(
         "router-overhead",
-        ctx.config(direct_url=direct.target.url, pairs=pairs, max_tokens=max_tokens, concurrency=concurrency,
-                   requests=requests, rounds=rounds, ignore_eos=ignore_eos),
+        ctx.config(
+            direct_url=direct.target.url,
+            pairs=pairs,
+            max_tokens=max_tokens,
+            concurrency=concurrency,
+            requests=requests,
+            rounds=rounds,
+            ignore_eos=ignore_eos,
+        ),
         groups,
         ctx.slo,
         sections=[Section("Router overhead", f"{table}\n\n{note}")],

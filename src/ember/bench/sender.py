@@ -25,11 +25,11 @@ import httpx
 from ember import __version__
 from ember.bench.record import Clock, RequestRecord
 from ember.bench.workloads import RequestSpec
+from ember.client.defaults import DEFAULT_BASE_URL
 from ember.client.sse import SSEDecoder
-from ember.config import ServerConfig
+from ember.client.transport import HTTP_TRANSPORTS
 from ember.errors import EmberError
 
-DEFAULT_URL = f"http://{ServerConfig.host}:{ServerConfig.port}/v1"
 # Any reply of an Ember server carries this header; it tells us `ignore_eos` is understood.
 EMBER_REPLY_HEADER = "x-ember-max-tokens"
 
@@ -42,7 +42,7 @@ class BenchError(EmberError):
 class Target:
     """Where and how to send requests."""
 
-    url: str = DEFAULT_URL
+    url: str = DEFAULT_BASE_URL
     model: str | None = None
     api_key: str | None = None
     http2: bool = False
@@ -200,7 +200,9 @@ class Sender:
         record.start_s = self.clock()
         record.scheduled_s = record.start_s if scheduled_s is None else scheduled_s
         try:
-            async with self.http.stream("POST", self.target.chat_url, content=content, headers=headers, extensions={"trace": trace}) as response:
+            async with self.http.stream(
+                "POST", self.target.chat_url, content=content, headers=headers, extensions={"trace": trace}
+            ) as response:
                 record.status = response.status_code
                 if EMBER_REPLY_HEADER in response.headers:
                     self.server_is_ember = True
@@ -284,7 +286,7 @@ def make_sender(target: Target, clock: Clock) -> Sender:
         from ember.bench.grpc_sender import GrpcSender
 
         return GrpcSender(target, clock)  # type: ignore[return-value]
-    if target.transport not in ("http1", "http2"):
+    if target.transport not in HTTP_TRANSPORTS:
         raise BenchError(f"unknown transport {target.transport!r}: use http1, http2 or grpc")
     return Sender(target, clock)
 

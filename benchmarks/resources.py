@@ -99,7 +99,9 @@ def wire_counters(server_port: int) -> WireCounters | None:
     ss = shutil.which("ss")
     if ss is None:
         return None
-    out = subprocess.run([ss, "-tinH", "state", "established", f"( dport = :{server_port} )"], capture_output=True, text=True, check=False).stdout
+    out = subprocess.run(
+        [ss, "-tinH", "state", "established", f"( dport = :{server_port} )"], capture_output=True, text=True, check=False
+    ).stdout
     return parse_ss(out)
 
 

@@ -1,4 +1,4 @@
-"""``ember bench engine``: the engine alone, in process, next to references measured in the same run.
+"""``python -m benchmarks engine``: the engine alone, in process, next to references measured in the same run.
 
 Figures (issue "Inference engine"):
 
@@ -76,7 +76,12 @@ def main(args: argparse.Namespace) -> int:
     _print(rows, reference, llama_cpp, args)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"ember": [asdict(r) for r in rows], "transformers": reference, "llama_cpp": llama_cpp, "quoted": QUOTED_REFERENCES}, indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                {"ember": [asdict(r) for r in rows], "transformers": reference, "llama_cpp": llama_cpp, "quoted": QUOTED_REFERENCES},
+                indent=2,
+            )
+        )
     return 0
 
 
@@ -107,7 +112,11 @@ def measure_engine(args: argparse.Namespace, dtype: str, quantization: str) -> E
     # a few runs: on a shared machine one run can land on a noisy stretch.
     decode_runs = []
     for run in range(args.repeats):
-        engine.add_request(f"single-{run}", tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]), greedy(args.decode_tokens))
+        engine.add_request(
+            f"single-{run}",
+            tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]),
+            greedy(args.decode_tokens),
+        )
         stamps = _drain(engine)[f"single-{run}"]
         decode_runs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
     figures.decode_tps = statistics.median(decode_runs)
@@ -124,7 +133,9 @@ def measure_engine(args: argparse.Namespace, dtype: str, quantization: str) -> E
 
     # Aggregate: all sequences decoding together.
     for i in range(args.concurrency):
-        engine.add_request(f"agg-{i}", tok.encode_chat([{"role": "user", "content": f"Write a poem about the number {i}."}]), greedy(args.aggregate_tokens))
+        engine.add_request(
+            f"agg-{i}", tok.encode_chat([{"role": "user", "content": f"Write a poem about the number {i}."}]), greedy(args.aggregate_tokens)
+        )
     overhead: list[float] = []
     decode_steps: list[tuple[float, int]] = []
     forward_time = [0.0]
@@ -190,7 +201,9 @@ def measure_transformers(args: argparse.Namespace) -> dict[str, float] | None:
     folder, name = os.path.split(path)
     tok = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    ids = tok.apply_chat_template([{"role": "user", "content": "Tell me a long story about a dragon."}], add_generation_prompt=True, return_tensors="pt")
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "Tell me a long story about a dragon."}], add_generation_prompt=True, return_tensors="pt"
+    )
     ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
     n = min(args.decode_tokens, 100)
     with torch.no_grad():
@@ -223,15 +236,26 @@ def measure_llama_cpp(args: argparse.Namespace) -> dict[str, float] | None:
     return {"decode_tps": decode}
 
 
-def _print(rows: list[EngineFigures], reference: dict[str, float] | None, llama_cpp: dict[str, float] | None, args: argparse.Namespace) -> None:
+def _print(
+    rows: list[EngineFigures], reference: dict[str, float] | None, llama_cpp: dict[str, float] | None, args: argparse.Namespace
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"Engine alone, {args.threads} threads (decode {args.decode_tokens} tokens, prefill {args.prefill_tokens}, {args.concurrency} concurrent)")
+    table = Table(
+        title=f"Engine alone, {args.threads} threads (decode {args.decode_tokens} tokens, prefill {args.prefill_tokens}, {args.concurrency} concurrent)"
+    )
     for column in ("", "decode tok/s", "prefill tok/s", f"{args.concurrency}-seq tok/s", "step overhead ms", "load s"):
         table.add_column(column, justify="right")
     for r in rows:
-        table.add_row(f"Ember {r.mode}", f"{r.decode_tps:.1f}", f"{r.prefill_tps:.0f}", f"{r.aggregate_tps:.0f}", f"{r.step_overhead_ms:.2f}", f"{r.load_s:.1f}")
+        table.add_row(
+            f"Ember {r.mode}",
+            f"{r.decode_tps:.1f}",
+            f"{r.prefill_tps:.0f}",
+            f"{r.aggregate_tps:.0f}",
+            f"{r.step_overhead_ms:.2f}",
+            f"{r.load_s:.1f}",
+        )
     if reference:
         table.add_row("transformers fp32 (this run)", f"{reference['decode_tps']:.1f}", f"{reference['prefill_tps']:.0f}", "", "", "")
     if llama_cpp:

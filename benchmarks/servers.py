@@ -54,16 +54,16 @@ class ServerProcess:
         if tls is not None:
             argv += ["--ssl-certfile", tls[0], "--ssl-keyfile", tls[1]]
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 (open while the process runs; stop() closes it)
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=full_env)
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.wait_ready()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def wait_ready(self, timeout: float = 240.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 240.0) -> ServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -1,6 +1,6 @@
-"""``ember bench transports``: the same streaming workload over HTTP/1.1 SSE, HTTP/2 and gRPC.
+"""``python -m benchmarks transports``: the same streaming workload over HTTP/1.1 SSE, HTTP/2 and gRPC.
 
-It starts its own servers (``ember.bench.servers``; it must know their process
+It starts its own servers (``benchmarks.servers``; it must know their process
 ids to read their CPU time; logs in ``$EMBER_TEST_LOGS``, default /tmp/ember-test-logs): per TLS mode one ``ember serve --grpc-port`` (uvicorn, the HTTP/1.1
 path, plus the gRPC server in the same process) and one ``ember serve
 --http2`` (granian). TLS uses a throwaway self-signed certificate made with
@@ -33,19 +33,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.resources import ServerCPU, WireCounters, cpu_between, thread_cpu_s, wire_counters
+from benchmarks.servers import ServerProcess
+from benchmarks.tls_cert import self_signed_cert
+from ember.bench.cli import add_plots_argument, default_out_dir, plots_wanted, write_outputs
 from ember.bench.loadgen import run_closed_loop
-from ember.bench.servers import ServerProcess
-from ember.bench.tls_cert import self_signed_cert
 from ember.bench.metrics import SLO
 from ember.bench.progress import BenchProgress
 from ember.bench.record import Clock
 from ember.bench.report import fmt_ms, fmt_number, markdown_table
-from ember.bench.resources import ServerCPU, WireCounters, cpu_between, thread_cpu_s, wire_counters
 from ember.bench.result import BenchResult, Group, Section, make_group
 from ember.bench.sender import BenchError, Target, make_sender
 from ember.bench.workloads import RequestSpec, story_requests
-
-TRANSPORTS = ("http1", "http2", "grpc")
+from ember.client.transport import TRANSPORTS
 
 
 @dataclass(frozen=True)
@@ -97,16 +97,21 @@ def add_transports_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="requests per stream in a cell (default %(default)s)")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per cell (default %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="the servers' --threads (the engine's CPU threads) (default %(default)s)")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG",
-                   help="extra 'ember serve' argument, repeatable (e.g. --server-arg=--quantization=none)")
+    p.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra 'ember serve' argument, repeatable (e.g. --server-arg=--quantization=none)",
+    )
     p.add_argument("--out", type=Path, default=None, help="result directory (default bench-results/transports-<timestamp>)")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stdout")
+    add_plots_argument(p)
 
 
 def transports_main(args: argparse.Namespace) -> int:
-    from ember.bench.cli import default_out_dir, write_outputs  # cli imports this module
-
     try:
+        plots = plots_wanted("python -m benchmarks transports", args.plots, quiet=args.quiet)
         transports = _choices(args.transports, TRANSPORTS, "--transports")
         tls_modes = [mode == "on" for mode in _choices(args.tls, ("off", "on"), "--tls")]
         concurrencies = [int(c) for c in args.concurrency.split(",") if c.strip()]
@@ -115,9 +120,9 @@ def transports_main(args: argparse.Namespace) -> int:
         args.out = args.out or default_out_dir("transports")
         result = run_transports(transports, tls_modes, concurrencies, args)
     except BenchError as exc:
-        print(f"ember bench transports: {exc}", file=sys.stderr)
+        print(f"python -m benchmarks transports: {exc}", file=sys.stderr)
         return 2
-    return write_outputs(result, args.out, quiet=args.quiet)
+    return write_outputs(result, args.out, quiet=args.quiet, plots=plots)
 
 
 def run_transports(transports: list[str], tls_modes: list[bool], concurrencies: list[int], args: argparse.Namespace) -> BenchResult:
@@ -163,7 +168,9 @@ def run_transports(transports: list[str], tls_modes: list[bool], concurrencies: 
     )
 
 
-async def run_cell(cell: Cell, server: ServerProcess, args: argparse.Namespace, requests: int, clock: Clock, progress: BenchProgress) -> CellResult:
+async def run_cell(
+    cell: Cell, server: ServerProcess, args: argparse.Namespace, requests: int, clock: Clock, progress: BenchProgress
+) -> CellResult:
     """Warm a fresh client's connections, then measure one closed-loop run (see the module docstring)."""
     url = server.grpc_url if cell.transport == "grpc" else server.url
     port = server.grpc_port if cell.transport == "grpc" else server.port
@@ -186,7 +193,9 @@ async def run_cell(cell: Cell, server: ServerProcess, args: argparse.Namespace, 
     group = make_group(cell.label, {**asdict(cell), "requests": requests, "max_tokens": args.max_tokens}, run, SLO())
     tokens = sum(r.output_tokens or 0 for r in run.records if r.ok)
     wire = wire_after.since(wire_before) if wire_after is not None and wire_before is not None else None
-    return CellResult(cell, group, tokens, cpu_between(server.proc.pid, cpu_before, cpu_after, args.threads), client_after - client_before, wire)
+    return CellResult(
+        cell, group, tokens, cpu_between(server.proc.pid, cpu_before, cpu_after, args.threads), client_after - client_before, wire
+    )
 
 
 def transports_table(results: list[CellResult]) -> str:

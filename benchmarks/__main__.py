@@ -1,0 +1,7 @@
+"""``python -m benchmarks <experiment>``."""
+
+import sys
+
+from benchmarks.cli import main
+
+sys.exit(main())
