@@ -1,5 +1,5 @@
-"""Real `ember serve` / `ember route` processes for tests (the launcher lives in ember.bench.servers)."""
+"""Real `ember serve` / `ember route` processes for tests (the launcher lives in benchmarks/servers.py)."""
 
-from ember.bench.servers import LOG_DIR, ServerProcess, free_port, metric_value
+from benchmarks.servers import LOG_DIR, ServerProcess, free_port, metric_value
 
 __all__ = ["LOG_DIR", "ServerProcess", "free_port", "metric_value"]

@@ -1,8 +1,11 @@
-"""Reports from a recorded trace: Markdown content, valid PNGs, JSON round trip, compare."""
+"""Reports from a recorded trace: Markdown content, valid PNGs, JSON round trip, compare; plots as an extra."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,13 @@ from ember.bench.compare import write_comparison
 from ember.bench.loadgen import RunResult
 from ember.bench.metrics import parse_slo
 from ember.bench.record import load_records
-from ember.bench.report import PLOTS, fmt_percent, write_report
+from ember.bench.plots import PLOTS
+from ember.bench.plotting import resolve_plots, skipped_plots_note
+from ember.bench.report import fmt_percent, write_report
 from ember.bench.result import BenchResult, Section, load_result, make_group, save_result
+from ember.bench.sender import BenchError
 from ember.cli import main
+from server_process import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -98,3 +105,59 @@ def test_fmt_percent():
     assert fmt_percent(0.1234) == "12.3 %"
     assert fmt_percent(-0.5, signed=True) == "-50.0 %"
     assert fmt_percent(None) == "–"
+
+
+# ---------------------------------------------------------------------------
+# matplotlib is the `plots` extra
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("asked", "installed", "draws", "note"), [
+    (None, True, True, False),   # neither flag: plots when matplotlib is there
+    (None, False, False, True),  # ... and a note, not an error, when it is not
+    (True, True, True, False),
+    (False, True, False, False),
+    (False, False, False, False),
+])
+def test_resolve_plots(asked, installed, draws, note):
+    assert resolve_plots(asked, installed) is draws
+    assert (skipped_plots_note(asked, installed) is not None) is note
+
+
+def test_plots_asked_for_without_matplotlib_names_the_extra():
+    with pytest.raises(BenchError, match=re.escape("pip install 'ember[plots]'")):
+        resolve_plots(True, installed=False)
+
+
+# `ember bench` in a fresh interpreter where matplotlib cannot be imported: a
+# None in sys.modules is how Python itself marks a module as not importable.
+WITHOUT_MATPLOTLIB = "import sys; sys.modules['matplotlib'] = None; from ember.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def ember_without_matplotlib(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB, *argv], capture_output=True, text=True, timeout=60)
+
+
+def test_compare_without_matplotlib_writes_markdown_and_says_which_extra(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    save_result(trace_result(), a)
+    save_result(trace_result(shift_s=0.5), b)
+    done = ember_without_matplotlib("bench", "compare", str(a), str(b), "--out", str(tmp_path / "cmp"))
+    assert done.returncode == 0, done.stderr
+    assert "pip install 'ember[plots]'" in done.stderr
+    assert sorted(p.name for p in (tmp_path / "cmp").iterdir()) == ["compare.md"]
+    assert "## Plots" not in (tmp_path / "cmp" / "compare.md").read_text()
+
+    asked = ember_without_matplotlib("bench", "compare", str(a), str(b), "--out", str(tmp_path / "asked"), "--plots")
+    assert asked.returncode == 2
+    assert "plots need matplotlib" in asked.stderr and "pip install 'ember[plots]'" in asked.stderr
+    assert not (tmp_path / "asked").exists()
+
+
+def test_a_workload_asked_for_plots_without_matplotlib_stops_before_sending(tmp_path):
+    # Nothing listens on a fresh free port: an error about the connection would mean load was attempted.
+    done = ember_without_matplotlib("bench", "single", "--url", f"http://127.0.0.1:{free_port()}/v1", "--plots",
+                                    "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert "ember bench single: plots need matplotlib" in done.stderr
+    assert not (tmp_path / "out").exists()

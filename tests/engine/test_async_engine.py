@@ -11,8 +11,13 @@ from helpers import greedy
 
 
 @pytest.fixture(scope="module")
-def async_engine(make_engine):
-    engine = AsyncEngine(make_engine(dtype="float32", quantization="none"))
+def core(make_engine):
+    return make_engine(dtype="float32", quantization="none")
+
+
+@pytest.fixture(scope="module")
+def async_engine(core):
+    engine = AsyncEngine(core)
     engine.start()
     yield engine
     engine.stop()
@@ -32,8 +37,8 @@ def test_streams_incremental_outputs(async_engine):
 
 
 @pytest.mark.timeout(120)
-def test_cancelling_the_consumer_frees_blocks_within_a_step(async_engine):
-    engine = async_engine.engine
+def test_cancelling_the_consumer_frees_blocks_within_a_step(async_engine, core):
+    engine = core
     idle = engine.kv.pool.num_used_blocks
 
     async def main():

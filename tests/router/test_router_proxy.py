@@ -117,6 +117,16 @@ def test_router_assigns_a_request_id_when_the_client_has_none(upstreams, start_r
 
 
 @pytest.mark.timeout(20)
+def test_router_replaces_a_request_id_that_is_not_a_reasonable_token(upstreams, start_router) -> None:
+    a = upstreams[0]
+    router = start_router([a.url])
+    response = router.http.post("/v1/chat/completions", json={"model": "m", "messages": []}, headers={"X-Request-ID": "x" * 200})
+    request_id = a.completions_seen()[0].headers["x-request-id"]
+    assert len(request_id) == 32 and request_id != "x" * 200
+    assert response.headers["x-request-id"] == request_id
+
+
+@pytest.mark.timeout(20)
 def test_malformed_json_is_a_400_and_never_reaches_an_upstream(upstreams, start_router) -> None:
     a = upstreams[0]
     router = start_router([a.url])

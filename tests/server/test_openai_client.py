@@ -36,6 +36,8 @@ def test_chat_streaming_with_usage(client):
     finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finals == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+    # Ember's extension rides in prompt_tokens_details; the openai client keeps it.
+    assert chunks[-1].usage.prompt_tokens_details.cache_tier in ("hot", "warm", "cold")
 
 
 def test_completions_endpoint(client):
@@ -68,7 +70,9 @@ def test_logprobs(client):
     assert len(content) == r.usage.completion_tokens
     for entry in content:
         assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
-        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy picks the best
+        # Greedy: the chosen token is the most likely one, i.e. the first of the alternatives.
+        assert entry.token == entry.top_logprobs[0].token
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
 
 
 def test_error_classes(client):
@@ -78,7 +82,7 @@ def test_error_classes(client):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, max_tokens=10**7)
     assert info.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, n=2)
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=HELLO, n=17)  # more choices than Ember allows
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[])
 

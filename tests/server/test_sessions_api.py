@@ -31,6 +31,7 @@ def test_multi_turn_conversation_reuses_its_kv(server):
     for previous, usage in zip([first, *later], later):
         # Everything before the new user message was reused, generated tokens included.
         assert usage.prompt_tokens_details.cached_tokens >= previous.prompt_tokens + previous.completion_tokens - 16
+        assert usage.prompt_tokens_details.cache_tier == "hot"  # the conversation's blocks were still in the pool
     listed = httpx.get(f"{server.url}/sessions").json()["data"]
     mine = [s for s in listed if s["id"] == "trip-1"]
     assert mine and mine[0]["tier"] == "hot" and mine[0]["tokens"] > replies[-1].usage.prompt_tokens
@@ -74,6 +75,7 @@ def test_warm_session_survives_restart(tmp_path):
         before = replies[0].usage
         # Every full block of the first turn (its last sampled token has no KV yet) came back from disk.
         assert r.usage.prompt_tokens_details.cached_tokens == (before.prompt_tokens + before.completion_tokens - 1) // 16 * 16
+        assert r.usage.prompt_tokens_details.cache_tier == "disk"  # the warm tier, from its files
         assert metric_value(second.metrics(), "llm_prefix_cache_hits_total", {"tier": "disk"}) > 0
     finally:
         second.stop()

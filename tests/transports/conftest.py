@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ember.bench.tls_cert import self_signed_cert
+from benchmarks.tls_cert import self_signed_cert
 from server_process import ServerProcess
 from transport_common import API_KEY
 

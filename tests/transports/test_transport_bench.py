@@ -1,4 +1,4 @@
-"""`ember bench --transport`, and the pieces of `ember bench transports`: CPU, wire counters, the report."""
+"""`ember bench --transport`, and the pieces of `python -m benchmarks transports`: CPU, wire counters, the report."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import pytest
 from ember.bench.loadgen import RunResult
 from ember.bench.metrics import SLO
 from ember.bench.record import RequestRecord
-from ember.bench.resources import ServerCPU, WireCounters, cpu_between, parse_ss, thread_cpu_s
+from benchmarks.resources import ServerCPU, WireCounters, cpu_between, parse_ss, thread_cpu_s
 from ember.bench.result import make_group
-from ember.bench.transports import Cell, CellResult, transports_table
+from benchmarks.transports import Cell, CellResult, transports_table
 from ember.cli import main
 from server_process import ServerProcess
 from transport_common import API_KEY
