@@ -186,14 +186,22 @@ def read_process(pid: int) -> tuple[int, int]:
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def warm_ram_bytes(metrics_text: str) -> int:
+def sample_server(pid: int, metrics_text: str, at_s: float) -> ResourceSample:
+    """One sample: RSS and fds from /proc, the warm tier's RAM and malloc's heap from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    rss, fds = read_process(pid)
+    warm = heap_in_use = heap_free = 0
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             if sample.name == "llm_session_bytes" and sample.labels.get("tier") == "warm":
-                return int(sample.value)
-    return 0
+                warm = int(sample.value)
+            elif sample.name == "process_native_heap_bytes":
+                if sample.labels.get("state") == "in_use":
+                    heap_in_use = int(sample.value)
+                else:
+                    heap_free = int(sample.value)
+    return ResourceSample(at_s, rss, fds, warm, heap_in_use, heap_free)
 
 
 async def sample_resources(
@@ -201,9 +209,8 @@ async def sample_resources(
 ) -> None:
     """Sample the server every ``every_s`` until ``until``, and once more at the end."""
     while True:
-        rss, fds = read_process(pid)
-        warm = warm_ram_bytes((await http.get(f"{base}/metrics")).text)
-        out.append(ResourceSample(time.monotonic() - started, rss, fds, warm))
+        text = (await http.get(f"{base}/metrics")).text
+        out.append(sample_server(pid, text, time.monotonic() - started))
         if time.monotonic() >= until:
             return
         await asyncio.sleep(min(every_s, max(0.0, until - time.monotonic())))
@@ -233,8 +240,7 @@ async def _soak(args: argparse.Namespace, url: str, pid: int) -> tuple[list[Soak
         )
         reporter.cancel()
         # One last sample once every client is done, so the end of the run is in the slope.
-        rss, fds = read_process(pid)
-        samples.append(ResourceSample(time.monotonic() - started, rss, fds, warm_ram_bytes((await probe.get(f"{base}/metrics")).text)))
+        samples.append(sample_server(pid, (await probe.get(f"{base}/metrics")).text, time.monotonic() - started))
     return load.requests, samples
 
 

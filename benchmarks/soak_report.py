@@ -41,6 +41,9 @@ class ResourceSample:
     rss_bytes: int
     open_fds: int
     warm_ram_bytes: int  # llm_session_bytes{tier="warm"}: the warm tier's RAM, bounded by its budget
+    # process_native_heap_bytes: malloc's heap, to tell a leak (in use grows) from fragmentation (free grows).
+    heap_in_use_bytes: int = 0
+    heap_free_bytes: int = 0
 
 
 @dataclass
@@ -195,6 +198,10 @@ def render_markdown(requests: list[SoakRequest], samples: list[ResourceSample], 
         lines.append(
             f"| warm tier RAM MB | {first.warm_ram_bytes / MB:,.1f} | {last.warm_ram_bytes / MB:,.1f} | {max(s.warm_ram_bytes for s in steady) / MB:,.1f} |"
         )
+        for label, attr in (("malloc heap in use MB", "heap_in_use_bytes"), ("malloc heap free, held MB", "heap_free_bytes")):
+            values = [getattr(s, attr) / MB for s in steady]
+            slope = slope_per_min([(s.at_s, v) for s, v in zip(steady, values, strict=True)])
+            lines.append(f"| {label} (slope {_fmt(slope, digits=2)} MB/min) | {values[0]:,.1f} | {values[-1]:,.1f} | {max(values):,.1f} |")
         lines.append(f"| open fds | {first.open_fds} | {last.open_fds} | {max(s.open_fds for s in steady)} |")
     lines += [
         "",

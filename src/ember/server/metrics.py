@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ember.engine.api import EngineSnapshot
+from ember.server import native_heap
 
 LATENCY_BUCKETS = (
     0.005,
@@ -54,6 +55,7 @@ class ServerMetrics:
         self.model = model
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes and friends
+        r.register(_NativeHeapCollector())  # what of that RSS is malloc's heap, in use or free but held
         m = ["model"]
         # Every latency counts from the request's arrival at the server, admission wait included.
         self.request_duration = Histogram(
@@ -119,6 +121,23 @@ class ServerMetrics:
 
 
 SESSION_TIERS = ("hot", "warm", "disk")
+
+
+class _NativeHeapCollector(Collector):
+    """``process_native_heap_bytes{state="in_use"|"free"}`` at scrape time (glibc only; absent elsewhere)."""
+
+    def collect(self) -> Iterator[Any]:
+        heap = native_heap.read()
+        if heap is None:
+            return
+        family = GaugeMetricFamily(
+            "process_native_heap_bytes",
+            "malloc's heap: bytes allocated (in_use, mmap-served blocks included) and free but still resident (free).",
+            labels=["state"],
+        )
+        family.add_metric(["in_use"], heap.in_use_bytes)
+        family.add_metric(["free"], heap.free_bytes)
+        yield family
 
 
 class _EngineCollector(Collector):
