@@ -81,7 +81,9 @@ def test_stream_vs_full(server, tmp_path):
     extras = summary_of(out)["extras"]
     assert extras["first_text_s"] == pytest.approx(streamed["ttft_s"])
     assert extras["full_total_s"] == pytest.approx(full["e2e_s"])
-    assert 0 < extras["perceived_latency_cut"] < 1
+    # The figure is derived from the records; whether streaming wins is a benchmark result, not a
+    # test (one pair of 8-token answers on a shared CI machine can go either way).
+    assert extras["perceived_latency_cut"] == pytest.approx(1 - streamed["ttft_s"] / full["e2e_s"])
     assert "Streaming cuts the perceived latency" in (out / "summary.md").read_text()
     assert_png(out / "perceived_latency.png")
 

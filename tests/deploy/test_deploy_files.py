@@ -47,6 +47,8 @@ EVENT_DRIVEN = frozenset(
         "llm_sessions",
         "llm_prefix_cache_hits_total",
         "llm_prefix_cache_queries_total",
+        "llm_gc_pause_seconds_bucket",  # a collection while serving
+        "llm_gc_pause_seconds_count",
     }
 )
 
