@@ -37,6 +37,11 @@ EXPERIMENTS: list[Experiment] = [
     ),
     Experiment("front-door", "starts a server: decode, TTFT, 16 streams, prefill and multi-turn through HTTP vs in process", "front_door"),
     Experiment(
+        "restore-stall",
+        "the engine alone, in process: another stream's inter-token gaps during a warm restore from disk, now vs before",
+        "restore_stall",
+    ),
+    Experiment(
         "tiers", "starts servers: multi-turn TTFT with hot, warm and cold session tiers", "scenarios", "tiers_arguments", "run_tiers"
     ),
     Experiment(

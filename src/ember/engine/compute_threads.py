@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -77,6 +78,28 @@ def confine_other_threads() -> None:
     if threading.get_ident() == _engine_thread:
         raise RuntimeError("confine_other_threads() was called on the engine thread")
     torch.set_num_threads(1)
+
+
+def run_in_idle_time(idle: bool) -> bool:
+    """Schedule the calling thread only in CPU time nothing else wants (Linux ``SCHED_IDLE``), or normally again.
+
+    For background work that shares the cores with the engine (the session
+    storage thread). With its compute threads meeting at ~200 barriers a step,
+    any thread that takes one of their cores stalls them all: on 2 cores a
+    restore paced at half duty still made the other streams' steps 2-5x
+    longer. An idle-class thread runs while a compute thread waits at a
+    barrier or between steps and is preempted the moment one wakes. Linux
+    scheduling is per thread, so this changes the calling thread only. False
+    where the platform has no idle class (the caller then paces itself).
+    """
+    policy = getattr(os, "SCHED_IDLE", None) if idle else getattr(os, "SCHED_OTHER", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:  # e.g. a sandbox that forbids it
+        return False
+    return True
 
 
 def keep_engine_count() -> None:
