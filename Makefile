@@ -95,6 +95,7 @@ bench-server: test-setup
 
 bench-sessions: test-setup
 	$(BIN)/python -m benchmarks tiers --threads $(THREADS)
+	$(BIN)/python -m benchmarks restore-stall --threads $(THREADS)
 
 bench-overload: test-setup
 	$(BIN)/python -m benchmarks overload --threads $(THREADS)
