@@ -21,6 +21,7 @@ from typing import Any
 from ember.config import SessionConfig
 from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block
+from ember.engine.heap_trim import HeapTrimmer
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.session_ids import SessionIds
@@ -52,6 +53,7 @@ class SessionManager:
         self.ids = SessionIds(decode)
         self.events: Counter[str] = Counter()  # demote, restore_warm, spill, expire, evict, discard...
         self.restorer = PrefixRestorer(kv, self.policy, self.storage, self.data, self.ids, self.events, clock)
+        self.trimmer = HeapTrimmer()  # dropped warm copies' pages go back to the system
         if directory:
             found, self.events["discard"] = self.storage.scan(config.warm_ttl_s)
             for header, stat in found:  # oldest first, so the table stays in LRU order
@@ -173,7 +175,7 @@ class SessionManager:
                 self._expire(result.key, "evict")
 
     def _to_disk(self, key: str, data: SessionData) -> None:
-        data.packed = None
+        self._drop_packed(data)
         self.policy.set_ram(key, 0)
         self.policy.move(key, Event.SPILLED)
 
@@ -189,7 +191,15 @@ class SessionManager:
     def _release(self, key: str, data: SessionData) -> None:
         self._release_hot(data)
         self.restorer.unindex(key, data)
-        data.packed = None
+        self._drop_packed(data)
+
+    def _drop_packed(self, data: SessionData) -> None:
+        """Forget the warm copy in RAM (a restore in flight holds its own reference)."""
+        packed, data.packed = data.packed, None
+        if packed is not None:
+            nbytes = packed.nbytes
+            del packed
+            self.trimmer.freed(nbytes)
 
     def _release_hot(self, data: SessionData) -> None:
         blocks, data.hot_blocks = data.hot_blocks, []
