@@ -17,40 +17,16 @@ so a steady eviction rate costs one trim every so often, never one per copy.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import time
 from collections.abc import Callable
-from functools import cache
+
+from ember import malloc_heap
 
 log = logging.getLogger("ember.engine")
 
 TRIM_THRESHOLD_BYTES = 64 * 1024 * 1024
 TRIM_MIN_INTERVAL_S = 10.0
-
-
-@cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        fn = ctypes.CDLL(name).malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def trim() -> bool:
-    """Return the heap's free pages to the system now; False where there is no ``malloc_trim``."""
-    fn = _malloc_trim()
-    if fn is None:
-        return False
-    fn(0)
-    return True
 
 
 class HeapTrimmer:
@@ -61,7 +37,7 @@ class HeapTrimmer:
         threshold_bytes: int = TRIM_THRESHOLD_BYTES,
         min_interval_s: float = TRIM_MIN_INTERVAL_S,
         clock: Callable[[], float] = time.monotonic,
-        do_trim: Callable[[], bool] = trim,
+        do_trim: Callable[[], bool] = malloc_heap.trim,
     ) -> None:
         self.threshold_bytes, self.min_interval_s, self.clock, self.do_trim = threshold_bytes, min_interval_s, clock, do_trim
         self.pending_bytes = 0

@@ -15,8 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ember import malloc_heap
 from ember.engine.api import EngineSnapshot
-from ember.server import native_heap
 
 LATENCY_BUCKETS = (
     0.005,
@@ -127,7 +127,7 @@ class _NativeHeapCollector(Collector):
     """``process_native_heap_bytes{state="in_use"|"free"}`` at scrape time (glibc only; absent elsewhere)."""
 
     def collect(self) -> Iterator[Any]:
-        heap = native_heap.read()
+        heap = malloc_heap.read()
         if heap is None:
             return
         family = GaugeMetricFamily(

@@ -9,21 +9,21 @@ import torch
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ember.server import native_heap
+from ember import malloc_heap
 from ember.server.metrics import ServerMetrics
 
 MB = 1 << 20
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or native_heap.read() is None, reason="glibc only")
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or malloc_heap.read() is None, reason="glibc only")
 
 
 def test_a_native_allocation_shows_in_use_and_goes_when_freed():
-    before = native_heap.read()
+    before = malloc_heap.read()
     block = torch.empty(64 * MB, dtype=torch.uint8)  # allocated by torch's CPU allocator, i.e. malloc
     block.fill_(1)
-    during = native_heap.read()
+    during = malloc_heap.read()
     del block
-    after = native_heap.read()
+    after = malloc_heap.read()
     assert before and during and after
     assert during.in_use_bytes - before.in_use_bytes >= 64 * MB
     assert during.in_use_bytes - after.in_use_bytes >= 64 * MB
