@@ -20,10 +20,12 @@ against the largest gap before the restore, and the restore's duration.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,18 +104,19 @@ def _measure(engine: Any, clock: _Clock, sampling: Any) -> StallRun:
     return StallRun(statistics.median(before), max(before), statistics.median(during), max(during), len(during), restore_s)
 
 
-def _previous_arrangement(on: bool, saved: dict[str, Any]) -> None:
-    """Switch the storage thread to what it did before (normal priority, paced, 4 MB chunks), or back."""
+@contextlib.contextmanager
+def previous_arrangement() -> Iterator[None]:
+    """The storage thread as it was before (normal priority, paced, 4 MB chunks) inside the block."""
     from ember.engine import compute_threads
     from ember.engine import warm_storage as ws
 
-    if on:
-        saved.update(idle=compute_threads.run_in_idle_time, chunk=ws.CHUNK_BYTES)
-        compute_threads.run_in_idle_time = lambda idle: False  # type: ignore[assignment]
-        ws.CHUNK_BYTES = 4 * MB
-    else:
-        compute_threads.run_in_idle_time = saved["idle"]  # type: ignore[assignment]
-        ws.CHUNK_BYTES = saved["chunk"]
+    idle, chunk = compute_threads.run_in_idle_time, ws.CHUNK_BYTES
+    compute_threads.run_in_idle_time = lambda idle: False  # type: ignore[assignment]
+    ws.CHUNK_BYTES = 4 * MB
+    try:
+        yield
+    finally:
+        compute_threads.run_in_idle_time, ws.CHUNK_BYTES = idle, chunk  # type: ignore[assignment]
 
 
 def report(results: dict[str, list[StallRun]]) -> str:
@@ -141,17 +144,14 @@ def main(args: argparse.Namespace) -> int:
     from ember.model.loader import load_model
 
     loaded = load_model(None)
-    results: dict[str, list[StallRun]] = {"now (idle CPU time, 256 KB chunks)": [], "previous (paced, 4 MB chunks)": []}
-    saved: dict[str, Any] = {}
+    arrangements: dict[str, Callable[[], contextlib.AbstractContextManager[None]]] = {
+        "now (idle CPU time, 256 KB chunks)": contextlib.nullcontext,
+        "previous (paced, 4 MB chunks)": previous_arrangement,
+    }
+    results: dict[str, list[StallRun]] = {name: [] for name in arrangements}
     for _ in range(args.runs):
-        for name, runs in results.items():
-            previous = name.startswith("previous")
-            if previous:
-                _previous_arrangement(True, saved)
-            try:
-                runs.append(one_run(loaded, args.threads))
-            finally:
-                if previous:
-                    _previous_arrangement(False, saved)
+        for name, arrangement in arrangements.items():
+            with arrangement():
+                results[name].append(one_run(loaded, args.threads))
     print(report(results))
     return 0
