@@ -29,6 +29,23 @@ def final_text(outputs: list[RequestOutput]) -> str:
     return "".join(o.text_delta for o in outputs)
 
 
+def teacher_forced_logits(engine: LLMEngine, ids: list[int]):
+    """Logits (len(ids), vocab) after every position of ``ids``, in one prefill outside the scheduler."""
+    import torch
+
+    from ember.engine.request import Request
+    from ember.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    request = Request("teacher-forced", ids, greedy(1), 0.0, max_model_len=engine.max_model_len)
+    assert engine.kv.allocate(request, len(ids))
+    try:
+        sched = SchedulerOutput(prefills=[ScheduledRequest(request, len(ids))])
+        input_ids, positions, meta, _, _ = engine.runner._prepare(sched)
+        return engine.model(input_ids, positions, meta, engine.kv.layer_caches, torch.arange(len(ids)))
+    finally:
+        engine.kv.free(request)
+
+
 def prefill_forward(engine: LLMEngine, ids: list[int], per_layer: bool = False):
     """Run ``ids`` as one fresh prefill through the engine's model, outside the scheduler.
 

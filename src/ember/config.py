@@ -70,6 +70,10 @@ class EngineConfig:
     max_model_len: int = 0
     # Keep finished requests' blocks as reusable prefix cache.
     enable_prefix_caching: bool = True
+    # Same request, same tokens, whatever else shares the step, however the
+    # prompt was chunked or cached (README, "Same seed, same answer"). Needs the
+    # compiled CPU kernels; False takes the previous, per-shape fastest kernels.
+    batch_invariant: bool = True
     seed: int = 0
 
 

@@ -1,11 +1,11 @@
-"""int8 weights: bounded per-layer error, and greedy agreement with bfloat16 (reported)."""
+"""int8 weights: bounded per-layer error, and teacher-forced agreement with float32 (bounded near its measured value)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from helpers import final_tokens, greedy, prefill_forward, run_all
+from helpers import final_tokens, greedy, prefill_forward, run_all, teacher_forced_logits
 
 AGREEMENT_PROMPTS = [
     "What is the capital of France?",
@@ -22,11 +22,6 @@ AGREEMENT_PROMPTS = [
 @pytest.fixture(scope="module")
 def int8_engine(make_engine):
     return make_engine(dtype="float32", quantization="int8")
-
-
-@pytest.fixture(scope="module")
-def bf16_engine(make_engine):
-    return make_engine(dtype="bfloat16", quantization="none")
 
 
 def test_int8_weights_round_trip_within_half_a_step():
@@ -52,20 +47,38 @@ def test_per_layer_error_is_bounded(fp32_engine, int8_engine):
     print(f"\nint8 worst per-layer relative error: {worst:.4f}")
 
 
-@pytest.mark.timeout(600)
-def test_greedy_agreement_with_bf16_is_reported(int8_engine, bf16_engine):
+def teacher_forced_agreement(reference, engine, sequences) -> tuple[float, float]:
+    """Top-1 agreement with ``reference`` at every generated position, both fed the same tokens; and the mean |logit error|."""
     agree = total = 0
-    for engine, tag in ((int8_engine, "int8"), (bf16_engine, "bf16")):
-        for i, p in enumerate(AGREEMENT_PROMPTS):
-            engine.add_request(f"{tag}-{i}", engine.tokenizer.encode_chat([{"role": "user", "content": p}]), greedy(16, min_tokens=16))
-    int8_out = run_all(int8_engine)
-    bf16_out = run_all(bf16_engine)
-    prefix_lengths = []
-    for i in range(len(AGREEMENT_PROMPTS)):
-        a, b = final_tokens(int8_out[f"int8-{i}"]), final_tokens(bf16_out[f"bf16-{i}"])
-        agree += sum(x == y for x, y in zip(a, b))
-        total += len(b)
-        prefix_lengths.append(next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), len(b)))
-    rate = agree / total
-    print(f"\nint8 vs bf16 greedy agreement over 16 tokens: {rate:.1%} of positions; common prefix per prompt: {prefix_lengths}")
-    assert rate >= 0.5, "int8 output diverged from bf16 on most positions: quantization is broken"
+    error = 0.0
+    for prompt, continuation in sequences:
+        full = prompt + continuation
+        want = teacher_forced_logits(reference, full)[len(prompt) - 1 : -1]
+        got = teacher_forced_logits(engine, full)[len(prompt) - 1 : -1]
+        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+        total += want.shape[0]
+        error += float((want - got).abs().mean()) / len(sequences)
+    return agree / total, error
+
+
+@pytest.mark.timeout(600)
+def test_teacher_forced_agreement_with_float32(fp32_engine, int8_engine, make_engine):
+    """8 prompts x 64 float32-greedy tokens, fed to both: int8 picks float32's top token nearly everywhere.
+
+    Measured 96.5 % (mean logit error 0.214) for the default W8A16 kernels and
+    95.7 % (0.216) for the previous int8 path on 2026-12-03; a positional greedy
+    comparison would instead count every token after the first divergence.
+    """
+    sequences = []
+    for p in AGREEMENT_PROMPTS:
+        ids = fp32_engine.tokenizer.encode_chat([{"role": "user", "content": p}])
+        fp32_engine.add_request("teacher", ids, greedy(64, ignore_eos=True))
+        sequences.append((ids, final_tokens(run_all(fp32_engine)["teacher"])))
+    rate, error = teacher_forced_agreement(fp32_engine, int8_engine, sequences)
+    previous_rate, previous_error = teacher_forced_agreement(fp32_engine, make_engine(quantization="int8", batch_invariant=False), sequences)
+    print(
+        f"\nteacher-forced top-1 agreement with float32 over {64 * len(sequences)} positions: "
+        f"int8 W8A16 {rate:.2%} (mean |logit error| {error:.3f}), previous int8 path {previous_rate:.2%} ({previous_error:.3f})"
+    )
+    assert rate >= 0.95, "int8 disagrees with float32 more than measured: the quantization got worse"
+    assert rate >= previous_rate - 0.005, "the default int8 kernels are less accurate than the previous path"

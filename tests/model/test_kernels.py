@@ -85,7 +85,7 @@ def test_paged_decode_attention_matches_sdpa(k, out_dtype, context_lens, shape):
     q = torch.randn(batch, h, hd)
     out = torch.empty(batch, h * hd, dtype=out_dtype)
     scale = hd**-0.5
-    k.paged_attention_decode(out, q, k_cache, v_cache, tables, lens, bs, scale)
+    k.paged_attention(out, q, k_cache, v_cache, tables, None, lens, bs, scale)
     for b, n in enumerate(lens.tolist()):
         slots = (tables[b].unsqueeze(-1) * bs + torch.arange(bs)).flatten()[:n]
         ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), scale=scale, enable_gqa=True)
@@ -101,10 +101,96 @@ def test_paged_decode_attention_does_not_depend_on_the_batch(k):
     lens = torch.tensor([300, 41, 250])
     q = torch.randn(3, h, hd)
     together = torch.empty(3, h * hd)
-    k.paged_attention_decode(together, q, k_cache, v_cache, tables, lens, bs, 0.125)
+    k.paged_attention(together, q, k_cache, v_cache, tables, None, lens, bs, 0.125)
     alone = torch.empty(1, h * hd)
-    k.paged_attention_decode(alone, q[:1], k_cache, v_cache, tables[:1], lens[:1], bs, 0.125)
+    k.paged_attention(alone, q[:1], k_cache, v_cache, tables[:1], None, lens[:1], bs, 0.125)
     assert torch.equal(alone[0], together[0])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prompt_rows_attend_causally_and_equal_their_decode(k, shape):
+    """A prompt chunk: one row per token on the sequence's table, context = position + 1.
+
+    Matches causal SDPA, and each row is bit for bit the row that decoding that
+    token alone gives, whether the rows run as many (row, kv head) tasks or as
+    spread spans, and wherever a chunk starts.
+    """
+    torch.manual_seed(2)
+    h, kv, hd, bs = SHAPES[shape]
+    n = 300
+    k_cache, v_cache = torch.randn(40 * bs, kv, hd), torch.randn(40 * bs, kv, hd)
+    table = (torch.randperm(39) + 1)[: math.ceil(n / bs)].unsqueeze(0)
+    q = torch.randn(n, h, hd)
+    scale = hd**-0.5
+    lens = torch.arange(1, n + 1)
+    prompt = torch.empty(n, h * hd)
+    k.paged_attention(prompt, q, k_cache, v_cache, table, torch.zeros(n, dtype=torch.long), lens, bs, scale)
+    slots = (table[0].unsqueeze(-1) * bs + torch.arange(bs)).flatten()[:n]
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    )
+    torch.testing.assert_close(prompt, ref.transpose(0, 1).reshape(n, -1), rtol=1e-4, atol=1e-4)
+    for i in (0, 63, 64, 150, n - 1):
+        alone = torch.empty(1, h * hd)
+        k.paged_attention(alone, q[i : i + 1], k_cache, v_cache, table, None, lens[i : i + 1], bs, scale)
+        assert torch.equal(alone[0], prompt[i]), f"row {i}"
+    chunk = torch.empty(37, h * hd)  # a chunk starting mid-prompt, mid-block
+    k.paged_attention(chunk, q[101:138], k_cache, v_cache, table, torch.zeros(37, dtype=torch.long), lens[101:138], bs, scale)
+    assert torch.equal(chunk, prompt[101:138])
+
+
+def _lane_weights(n, k_in, seed):
+    from ember.model.quant import pack_lanes, quantize_per_channel_int8
+
+    torch.manual_seed(seed)
+    weight = torch.randn(n, k_in) * 0.05
+    weight[3, 5] = 2.0  # an outlier channel
+    q, scale = quantize_per_channel_int8(weight)
+    return weight, q, scale, pack_lanes(q, pair=True), pack_lanes(weight, pair=False)
+
+
+@pytest.mark.parametrize("in_features", [576, 600])  # 600: a last activation group of 24 inputs
+def test_lane_linears_match_the_dequantized_matmul(k, in_features):
+    """W8A16 (int16 activations in groups of 64) is within 1e-4 of float32 activations; float32 lanes within rounding."""
+    weight, q, scale, lanes8, lanes32 = _lane_weights(64, in_features, 0)
+    x = torch.randn(21, in_features) * 3
+    x[2, 7] = 80.0  # an activation outlier: only its group's scale grows
+    ref = x @ (q.float() * scale[:, None]).t()
+    y = k.linear_w8a16(x, lanes8, scale)
+    assert ((y - ref).norm() / ref.norm()).item() < 1e-4
+    torch.testing.assert_close(k.linear_f32_lanes(x, lanes32), x @ weight.t(), rtol=1e-5, atol=1e-5)
+    zeros = k.linear_w8a16(torch.zeros(2, in_features), lanes8, scale)
+    assert torch.equal(zeros, torch.zeros_like(zeros))
+
+
+def test_lane_linears_do_not_depend_on_the_rows_in_the_call(k):
+    """Row r's bits are the same alone, in any batch size, and wherever it sits in the batch (4-row and 1-row blocks, row tiles)."""
+    _, _, scale, lanes8, lanes32 = _lane_weights(96, 576, 1)
+    torch.manual_seed(3)
+    x = torch.randn(150, 576)
+    for name, run in (("w8a16", lambda t: k.linear_w8a16(t, lanes8, scale)), ("f32", lambda t: k.linear_f32_lanes(t, lanes32))):
+        full = run(x)
+        for m in (1, 2, 5, 16, 40, 65, 150):
+            assert torch.equal(run(x[:m].contiguous()), full[:m]), (name, m)
+        for r in (0, 3, 4, 63, 64, 149):
+            assert torch.equal(run(x[r : r + 1].contiguous()), full[r : r + 1]), (name, r)
+        shuffled = torch.randperm(150)
+        assert torch.equal(run(x[shuffled].contiguous()), full[shuffled]), name
+
+
+def test_linear_contract_refuses_mismatched_weights(k):
+    """The typed contract: a wrong layout or a missing field is an error, never a silent wrong answer."""
+    _, q, scale, lanes8, _ = _lane_weights(64, 576, 2)
+    empty = torch.empty(0)
+    rows_major = k.LinearWeights(kind=k.LinearKind.INT8_LANES, weight=q, scale=scale, dense=empty, packed=empty, bias=empty, input_bf16=False)
+    with pytest.raises(RuntimeError, match="linear_w8a16"):
+        k.linear(torch.randn(2, 576), rows_major)
+    good = k.LinearWeights(kind=k.LinearKind.INT8_LANES, weight=lanes8, scale=scale, dense=empty, packed=empty, bias=empty, input_bf16=False)
+    with pytest.raises(RuntimeError, match="linear_w8a16"):
+        k.linear(torch.randn(2, 512), good)
+    with pytest.raises(TypeError):
+        k.LinearWeights(kind=k.LinearKind.INT8_LANES, weight=lanes8)
+    assert torch.equal(k.linear(torch.ones(1, 576), good), k.linear_w8a16(torch.ones(1, 576), lanes8, scale))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
@@ -141,14 +227,16 @@ def test_model_with_and_without_kernels_agree(loaded_model):
     assert final_tokens(run_all(fused)["g"]) == final_tokens(run_all(plain)["g"])
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_compiled_decode_loop_matches_per_layer_path(loaded_model, quantization):
+@pytest.mark.parametrize(
+    ("quantization", "batch_invariant"), [("none", True), ("int8", True), ("none", False), ("int8", False), ("int4", False)]
+)
+def test_compiled_decode_loop_matches_per_layer_path(loaded_model, quantization, batch_invariant):
     """decode_layers (the whole stack in C++) against the same model layer by layer in Python."""
     from helpers import final_tokens, greedy, run_all
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
 
-    config = EngineConfig(dtype="float32", quantization=quantization, kv_cache_bytes=64 * 1024 * 1024)
+    config = EngineConfig(dtype="float32", quantization=quantization, kv_cache_bytes=64 * 1024 * 1024, batch_invariant=batch_invariant)
     compiled = LLMEngine(config=config, loaded=loaded_model)
     layered = LLMEngine(config=config, loaded=loaded_model)
     assert compiled.model._decode_plan is not None

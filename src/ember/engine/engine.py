@@ -67,7 +67,15 @@ class LLMEngine:
         self.dtype = _DTYPES[config.dtype]
         self.device = torch.device(config.device)
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings, loaded.config.max_position_embeddings)
-        self.model = LlamaModel(loaded.config, loaded.weights, self.dtype, config.quantization, self.device, self.max_model_len)
+        self.model = LlamaModel(
+            loaded.config,
+            loaded.weights,
+            self.dtype,
+            config.quantization,
+            self.device,
+            self.max_model_len,
+            batch_invariant=config.batch_invariant,
+        )
         self.kv = KVCacheManager(loaded.config, config, self.dtype, self.device)
         self.scheduler = Scheduler(config, self.kv, self._lookup_prefix)
         self.runner = ModelRunner(self.model, self.kv, self.device)

@@ -53,6 +53,25 @@ class ModelRunner:
         rows = [r.block_ids + [0] * (width - len(r.block_ids)) for r in requests]
         return torch.tensor(rows, dtype=torch.long, device=self.device)
 
+    def _unified_attention(self, meta: AttentionMetadata, sched: SchedulerOutput) -> None:
+        """Metadata for one paged attention call over every new token (the batch-invariant path).
+
+        Decode ``i`` attends on table row ``i``; prompt chunk ``j`` on row
+        ``decodes + j``; each token to its context so far (position + 1),
+        exactly the context the same token would have if it were decoded alone.
+        """
+        requests = [s.request for s in sched.decodes] + [item.request for item in sched.prefills]
+        meta.block_tables = self._block_table(requests)
+        lens = [s.request.num_computed_tokens + 1 for s in sched.decodes]
+        rows = list(range(len(lens)))
+        for j, item in enumerate(sched.prefills):
+            c = item.request.num_computed_tokens
+            lens.extend(range(c + 1, c + item.num_new_tokens + 1))
+            rows.extend([len(sched.decodes) + j] * item.num_new_tokens)
+        to = dict(dtype=torch.long, device=self.device)
+        meta.token_context_lens = torch.tensor(lens, **to)
+        meta.token_table_rows = torch.tensor(rows, **to) if sched.prefills else None
+
     def _context_slots(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """Slots of the first ``length`` positions of each row's blocks: (rows, length)."""
         slots = block_table.unsqueeze(-1) * self.block_size + self._offsets
@@ -67,6 +86,9 @@ class ModelRunner:
         sampled: list[Request] = []
         meta = AttentionMetadata(slot_mapping=torch.empty(0), block_size=bs)
 
+        unified = self.model.batch_invariant
+        if unified:
+            self._unified_attention(meta, sched)
         decodes = [s.request for s in sched.decodes]
         if decodes:
             ctx_lens = []
@@ -78,9 +100,10 @@ class ModelRunner:
                 ctx_lens.append(p + 1)
                 logit_rows.append(i)
                 sampled.append(r)
+            meta.num_decode_tokens = len(decodes)
+        if decodes and not unified:
             table = self._block_table(decodes)
             lens = torch.tensor(ctx_lens, device=self.device)
-            meta.num_decode_tokens = len(decodes)
             if self.model.kernels is not None:  # the fused kernel reads block tables directly
                 meta.decode_block_tables, meta.decode_context_lens = table, lens
             else:
@@ -96,7 +119,7 @@ class ModelRunner:
             blocks = r.block_ids
             slots.extend(blocks[p // bs] * bs + p % bs for p in range(c, c + n))
             seg = PrefillSegment(start=start, end=start + n)
-            if c > 0:
+            if c > 0 and not unified:
                 table = torch.tensor([blocks], dtype=torch.long, device=self.device)
                 seg.context_slots = self._context_slots(table, c + n)[0]
                 q_pos = torch.arange(c, c + n, device=self.device)

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (cpu_kernels.cpp), compiled on first use and cached.
+"""Fused CPU kernels (cpu_kernels.cpp, linear_lanes.cpp), compiled on first use and cached.
 
 On a small model a decode step is dominated by the dispatch overhead of many
 tiny ops (norms, rotary, cache writes, attention over a handful of tokens), not
@@ -20,7 +20,7 @@ from types import ModuleType
 
 log = logging.getLogger("ember.kernels")
 
-_SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "linear_lanes.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -38,10 +38,10 @@ def load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load as build
 
-            digest = hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:12]
+            digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)).hexdigest()[:12]
             _module = build(
                 name=f"ember_cpu_kernels_{digest}",
-                sources=[str(_SOURCE)],
+                sources=[str(source) for source in _SOURCES],
                 extra_cflags=["-O3", "-march=native", "-fopenmp"],
                 extra_ldflags=["-fopenmp"],
                 verbose=False,

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cmath>
 #include <type_traits>
 #include <vector>
@@ -20,10 +21,18 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define EMBER_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 machines (e.g. Zen 3): the attention and SiLU loops have 8-wide twins.
+#include <immintrin.h>
+#define EMBER_AVX2 1
 #endif
 
 using torch::Tensor;
 using BF16 = c10::BFloat16;
+
+// linear_lanes.cpp: the batch-invariant linears.
+Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale);
+Tensor linear_f32_lanes(Tensor x, Tensor w);
 
 namespace {
 
@@ -178,6 +187,8 @@ namespace {
 // the batch and however many threads there are: batch-invariant, down to
 // rounding. 64 tokens give a lone 200-token decode 12 tasks for two threads.
 constexpr int64_t ATTENTION_SPAN = 64;
+// The longest span (ATTENTION_SPAN rounded up to whole blocks) the kernels take.
+constexpr int64_t MAX_SPAN = 1024;
 
 #ifdef EMBER_AVX512
 // exp(x) in float32: 2^(x log2 e) as 2^n * p(f), p a degree-6 polynomial of
@@ -200,6 +211,35 @@ inline __m512 exp_ps(__m512 x) {
 }
 #endif
 
+#ifdef EMBER_AVX2
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x), 8 lanes: the polynomial of exp_ps, with 2^n built in the exponent
+// bits. x is clamped to [-87, 88.3] so that n stays a normal exponent; NaN
+// passes through (max/min return their second operand when one is NaN).
+inline __m256 exp8_ps(__m256 x) {
+  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
+  x = _mm256_min_ps(_mm256_set1_ps(88.3f), x);
+  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(y, n);
+  __m256 p = _mm256_set1_ps(1.5353362e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180916e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503406e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
+
 struct AttentionSpan {
   int64_t seq, kv_head, begin, end;
 };
@@ -210,31 +250,58 @@ struct AttentionSpan {
 constexpr int64_t PREFETCH_AHEAD = 8;
 
 inline void prefetch_row(const float* row, int64_t head_dim) {
-#ifdef EMBER_AVX512
+#if defined(EMBER_AVX512) || defined(EMBER_AVX2)
   const char* bytes = reinterpret_cast<const char*>(row);
   for (int64_t byte = 0; byte < head_dim * 4; byte += 64) _mm_prefetch(bytes + byte, _MM_HINT_T0);
 #endif
 }
 
-#ifdef EMBER_AVX512
-// G query heads share a kv head; C = head_dim / 16. The queries (G x C vectors)
-// and, in values(), the G x 1 accumulators of one 16-wide chunk stay in
-// registers across the whole span: accumulating in memory instead made every
-// token wait on a store-to-load round trip (measured 4x slower).
+// The span kernels are written once over a float vector of VW lanes: 16 with
+// AVX-512, 8 with AVX2.
+#if defined(EMBER_AVX512)
+#define EMBER_SIMD 1
+using VecF = __m512;
+constexpr int VW = 16;
+inline VecF vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, VecF v) { _mm512_storeu_ps(p, v); }
+inline VecF vset1(float x) { return _mm512_set1_ps(x); }
+inline VecF vzero() { return _mm512_setzero_ps(); }
+inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+#elif defined(EMBER_AVX2)
+#define EMBER_SIMD 1
+using VecF = __m256;
+constexpr int VW = 8;
+inline VecF vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, VecF v) { _mm256_storeu_ps(p, v); }
+inline VecF vset1(float x) { return _mm256_set1_ps(x); }
+inline VecF vzero() { return _mm256_setzero_ps(); }
+inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(VecF v) { return hsum8(v); }
+#endif
+
+#ifdef EMBER_SIMD
+// G query heads share a kv head; C = head_dim / VW. The queries (G x C vectors)
+// and, in values(), the G x 1 accumulators of one VW-wide chunk stay in
+// registers across the whole span (with AVX-512; AVX2's 16 registers spill the
+// queries to L1): accumulating in memory instead made every token wait on a
+// store-to-load round trip (measured 4x slower).
 template <int G, int C>
 void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t len, float scale, float* scores) {
-  __m512 q[G][C];
+  VecF q[G][C];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) q[g][c] = _mm512_loadu_ps(qb + g * C * 16 + c * 16);
+    for (int c = 0; c < C; ++c) q[g][c] = vload(qb + g * C * VW + c * VW);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * 16);
+    if (t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * VW);
     const float* k = kc + rows[t];
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(k + c * 16);
+    VecF kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = vload(k + c * VW);
     for (int g = 0; g < G; ++g) {
-      __m512 d = _mm512_mul_ps(q[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) d = _mm512_fmadd_ps(q[g][c], kv[c], d);
-      scores[g * len + t] = _mm512_reduce_add_ps(d) * scale;
+      VecF d = vmul(q[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) d = vfmadd(q[g][c], kv[c], d);
+      scores[g * len + t] = vsum(d) * scale;
     }
   }
 }
@@ -242,14 +309,14 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
 template <int G, int C>
 void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc) {
   for (int c = 0; c < C; ++c) {
-    __m512 a[G];
-    for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+    VecF a[G];
+    for (int g = 0; g < G; ++g) a[g] = vzero();
     for (int64_t t = 0; t < len; ++t) {
-      if (c == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * 16);
-      const __m512 v = _mm512_loadu_ps(vc + rows[t] + c * 16);
-      for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * len + t]), v, a[g]);
+      if (c == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
+      const VecF v = vload(vc + rows[t] + c * VW);
+      for (int g = 0; g < G; ++g) a[g] = vfmadd(vset1(probs[g * len + t]), v, a[g]);
     }
-    for (int g = 0; g < G; ++g) _mm512_storeu_ps(acc + g * C * 16 + c * 16, a[g]);
+    for (int g = 0; g < G; ++g) vstore(acc + g * C * VW + c * VW, a[g]);
   }
 }
 
@@ -273,21 +340,21 @@ bool pick_span_kernels(int64_t group, ScoresFn* scores, ValuesFn* values) {
 
 // The register-blocked kernels for this shape, if there are some (head_dim 64 or 128, group <= 8).
 bool span_kernels(int64_t group, int64_t head_dim, ScoresFn* scores, ValuesFn* values) {
-  if (head_dim == 64) return pick_span_kernels<4>(group, scores, values);
-  if (head_dim == 128) return pick_span_kernels<8>(group, scores, values);
+  if (head_dim == 64) return pick_span_kernels<64 / VW>(group, scores, values);
+  if (head_dim == 128) return pick_span_kernels<128 / VW>(group, scores, values);
   return false;
 }
 #endif
 
 // One span: scores = q.k * scale for the group's heads, then m = max, l = sum
 // exp(score - m), acc = sum exp(score - m) v. Writes acc (group, Hd), m, l.
-void attend_span(const float* qb, const float* kc, const float* vc, const int64_t* table, const AttentionSpan& span,
+__attribute__((noinline)) void attend_span(const float* qb, const float* kc, const float* vc, const int64_t* table, const AttentionSpan& span,
                  int64_t group, int64_t head_dim, int64_t kv_width, int64_t block_size, float scale,
                  float* scores, float* acc, float* m_out, float* l_out) {
   const int64_t len = span.end - span.begin;
   const int64_t kv_offset = span.kv_head * head_dim;
   // Offsets of the span's rows, walked block by block (no division per token).
-  std::vector<int64_t> rows(len);
+  std::array<int64_t, MAX_SPAN> rows;  // len <= MAX_SPAN, checked by paged_attention
   {
     int64_t block = span.begin / block_size, within = span.begin % block_size;
     for (int64_t t = 0; t < len; ++t) {
@@ -298,14 +365,14 @@ void attend_span(const float* qb, const float* kc, const float* vc, const int64_
       }
     }
   }
-#ifdef EMBER_AVX512
+#ifdef EMBER_SIMD
   ScoresFn fast_scores = nullptr;
   ValuesFn fast_values = nullptr;
   const bool fast = span_kernels(group, head_dim, &fast_scores, &fast_values);
 #else
   const bool fast = false;
 #endif
-#ifdef EMBER_AVX512
+#ifdef EMBER_SIMD
   if (fast) {
     fast_scores(qb, kc, rows.data(), len, scale, scores);
   } else
@@ -343,6 +410,15 @@ void attend_span(const float* qb, const float* kc, const float* vc, const int64_
       t = len;
     }
     sum = _mm512_reduce_add_ps(vsum);
+#elif defined(EMBER_AVX2)
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; t + 8 <= len; t += 8) {
+      const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), vmx));
+      _mm256_storeu_ps(row + t, e);
+      vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum8(vsum);  // the tail (under 8 tokens) follows in the scalar loop
 #endif
     for (; t < len; ++t) {
       row[t] = std::exp(row[t] - mx);
@@ -351,7 +427,7 @@ void attend_span(const float* qb, const float* kc, const float* vc, const int64_
     m_out[g] = mx;
     l_out[g] = sum;
   }
-#ifdef EMBER_AVX512
+#ifdef EMBER_SIMD
   if (fast) {
     fast_values(vc, rows.data(), len, scores, acc);
     return;
@@ -371,17 +447,68 @@ void attend_span(const float* qb, const float* kc, const float* vc, const int64_
 
 }  // namespace
 
-void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens,
-                            int64_t block_size, double scale) {
+namespace {
+
+// Merges the n span partials of one (query, kv head), in span order, into the
+// group's output heads. One function (never inlined) for both ways of
+// scheduling the spans below, so both produce the same bits.
+template <typename O>
+__attribute__((noinline)) void merge_spans(const float* partial, int64_t n, int64_t group, int64_t head_dim, O* out) {
+  const int64_t stride = group * (head_dim + 2);
+  for (int64_t g = 0; g < group; ++g) {
+    float mx = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, partial[i * stride + group * head_dim + g]);
+    float total = 0.f;
+    float merged[512];  // head_dim <= 512, checked by the caller
+    std::fill(merged, merged + head_dim, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* part = partial + i * stride;
+      const float w = std::exp(part[group * head_dim + g] - mx);
+      total += w * part[group * (head_dim + 1) + g];
+      for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * part[g * head_dim + d];
+    }
+    const float inv = n > 0 ? 1.f / total : 0.f;
+    for (int64_t d = 0; d < head_dim; ++d) store(out + g * head_dim, d, merged[d] * inv);
+  }
+}
+
+}  // namespace
+
+// Causal attention straight from the paged cache, one query token per row of q
+// (T, H, Hd): row i attends to the first context_lens[i] tokens of block table
+// row table_rows[i] (row i itself when table_rows is absent). A decode step
+// has one row per sequence; a prompt chunk has one row per token, all on the
+// sequence's table, with context_lens = position + 1.
+//
+// Invariant (batch and chunk invariance): a row's result depends only on its
+// query, its context and the cache, never on the other rows. Its context is
+// cut into spans at fixed positions (multiples of ATTENTION_SPAN), each span
+// is computed by attend_span and the spans are merged in order by
+// merge_spans, whether the spans of all rows are spread over the threads (few
+// rows: decode) or each thread takes whole (row, kv head) tasks (many rows:
+// prefill, no shared partial buffer).
+void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, c10::optional<Tensor> table_rows,
+                     Tensor context_lens, int64_t block_size, double scale) {
   check_contiguous(q, "q");
   check_contiguous(out, "out");
   check_contiguous(block_tables, "block_tables");
+  check_contiguous(context_lens, "context_lens");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_attention_decode: q and the KV cache must be float32");
+              "paged_attention: q and the KV cache must be float32");
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
+  TORCH_CHECK(context_lens.numel() == batch, "paged_attention: one context length per query row");
+  const int64_t* rows_of = nullptr;
+  Tensor rows_tensor;
+  if (table_rows.has_value()) {
+    rows_tensor = table_rows->contiguous();
+    TORCH_CHECK(rows_tensor.numel() == batch && rows_tensor.scalar_type() == at::kLong, "paged_attention: table_rows must be int64 (T,)");
+    rows_of = rows_tensor.data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(block_tables.size(0) == batch, "paged_attention: one block table row per query without table_rows");
+  }
   const float* qp = q.data_ptr<float>();
   const float* kc = k_cache.data_ptr<float>();
   const float* vc = v_cache.data_ptr<float>();
@@ -389,55 +516,62 @@ void paged_attention_decode(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
   const int64_t kv_width = num_kv_heads * head_dim;
+  auto table_of = [&](int64_t b) { return tables + (rows_of ? rows_of[b] : b) * max_blocks; };
 
-  TORCH_CHECK(block_size > 0 && head_dim <= 512, "paged_attention_decode: block_size must be positive, head_dim at most 512");
+  TORCH_CHECK(block_size > 0 && head_dim <= 512, "paged_attention: block_size must be positive, head_dim at most 512");
   if (batch == 0 || num_kv_heads == 0) return;
   const int64_t span_len = ((ATTENTION_SPAN + block_size - 1) / block_size) * block_size;
-  std::vector<AttentionSpan> spans;
-  std::vector<int64_t> first_span(batch * num_kv_heads + 1);
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      first_span[b * num_kv_heads + h] = static_cast<int64_t>(spans.size());
-      for (int64_t t = 0; t < lens[b]; t += span_len) spans.push_back({b, h, t, std::min(lens[b], t + span_len)});
-    }
-  }
-  first_span[batch * num_kv_heads] = static_cast<int64_t>(spans.size());
-  const int64_t n_spans = static_cast<int64_t>(spans.size());
+  TORCH_CHECK(span_len <= MAX_SPAN, "paged_attention: block_size at most ", MAX_SPAN);
   // Per span: acc (group, Hd), then m (group), then l (group).
   const int64_t stride = group * (head_dim + 2);
-  std::vector<float> partial(n_spans * stride);
+  const int64_t tasks = batch * num_kv_heads;
 
-  at::parallel_for(0, n_spans, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * span_len);
-    for (int64_t i = begin; i < end; ++i) {
-      const AttentionSpan& span = spans[i];
-      float* part = partial.data() + i * stride;
-      attend_span(qp + (span.seq * num_heads + span.kv_head * group) * head_dim, kc, vc, tables + span.seq * max_blocks, span,
-                  group, head_dim, kv_width, block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
-    }
-  });
-
-  // Merge the spans of each (sequence, kv head).
   with_ptr(out, [&](auto* op) {
-    for (int64_t task = 0; task < batch * num_kv_heads; ++task) {
-      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-      const int64_t s0 = first_span[task], s1 = first_span[task + 1];
-      for (int64_t g = 0; g < group; ++g) {
-        float mx = -INFINITY;
-        for (int64_t i = s0; i < s1; ++i) mx = std::max(mx, partial[i * stride + group * head_dim + g]);
-        float total = 0.f;
-        float merged[512];  // head_dim <= 512, checked above
-        std::fill(merged, merged + head_dim, 0.f);
-        for (int64_t i = s0; i < s1; ++i) {
-          const float* part = partial.data() + i * stride;
-          const float w = std::exp(part[group * head_dim + g] - mx);
-          total += w * part[group * (head_dim + 1) + g];
-          for (int64_t d = 0; d < head_dim; ++d) merged[d] += w * part[g * head_dim + d];
+    if (tasks >= 4 * at::get_num_threads()) {
+      // Many rows: whole (row, kv head) tasks per thread, partials in a local buffer.
+      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(group * span_len), partial;
+        for (int64_t task = begin; task < end; ++task) {
+          const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+          const int64_t n = (lens[b] + span_len - 1) / span_len;
+          partial.resize(n * stride);
+          for (int64_t i = 0; i < n; ++i) {
+            const AttentionSpan span{b, kvh, i * span_len, std::min(lens[b], (i + 1) * span_len)};
+            float* part = partial.data() + i * stride;
+            attend_span(qp + (b * num_heads + kvh * group) * head_dim, kc, vc, table_of(b), span, group, head_dim, kv_width,
+                        block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+          }
+          merge_spans(partial.data(), n, group, head_dim, op + (b * num_heads + kvh * group) * head_dim);
         }
-        const int64_t head = kvh * group + g;
-        const float inv = s1 > s0 ? 1.f / total : 0.f;
-        for (int64_t d = 0; d < head_dim; ++d) store(op + (b * num_heads + head) * head_dim, d, merged[d] * inv);
+      });
+      return;
+    }
+    // Few rows (decode): every span is its own task, so one long sequence still
+    // spreads over every thread; then the spans of each (row, kv head) merge.
+    std::vector<AttentionSpan> spans;
+    std::vector<int64_t> first_span(tasks + 1);
+    for (int64_t b = 0; b < batch; ++b) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        first_span[b * num_kv_heads + h] = static_cast<int64_t>(spans.size());
+        for (int64_t t = 0; t < lens[b]; t += span_len) spans.push_back({b, h, t, std::min(lens[b], t + span_len)});
       }
+    }
+    first_span[tasks] = static_cast<int64_t>(spans.size());
+    const int64_t n_spans = static_cast<int64_t>(spans.size());
+    std::vector<float> partial(n_spans * stride);
+    at::parallel_for(0, n_spans, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(group * span_len);
+      for (int64_t i = begin; i < end; ++i) {
+        const AttentionSpan& span = spans[i];
+        float* part = partial.data() + i * stride;
+        attend_span(qp + (span.seq * num_heads + span.kv_head * group) * head_dim, kc, vc, table_of(span.seq), span, group, head_dim,
+                    kv_width, block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+      }
+    });
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+      merge_spans(partial.data() + first_span[task] * stride, first_span[task + 1] - first_span[task], group, head_dim,
+                  op + (b * num_heads + kvh * group) * head_dim);
     }
   });
 }
@@ -465,6 +599,15 @@ void silu_mul(Tensor out, Tensor gate_up) {
               const __m512 g = _mm512_loadu_ps(g_row + i), u = _mm512_loadu_ps(g_row + f + i);
               const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
               _mm512_storeu_ps(o_row + i, _mm512_mul_ps(sig, u));
+            }
+          }
+#elif defined(EMBER_AVX2)
+          if constexpr (std::is_same_v<std::decay_t<decltype(*gp)>, float> && std::is_same_v<std::decay_t<decltype(*op)>, float>) {
+            const __m256 one = _mm256_set1_ps(1.f);
+            for (; i + 8 <= i1; i += 8) {
+              const __m256 g = _mm256_loadu_ps(g_row + i), u = _mm256_loadu_ps(g_row + f + i);
+              const __m256 sig = _mm256_div_ps(g, _mm256_add_ps(one, exp8_ps(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+              _mm256_storeu_ps(o_row + i, _mm256_mul_ps(sig, u));
             }
           }
 #endif
@@ -628,79 +771,124 @@ Tensor gemm_bf16_packed(Tensor x, Tensor w) {
 }
 
 // ---------------------------------------------------------------------------
-// The whole decoder stack for a decode-only step, in one call.
-//
-// Per layer, ``tensors`` holds LAYER_SLOTS entries (an empty tensor marks an
-// absent one): the two norms, four linears (each: quantized weight, its scales,
-// the dense copy, the packed bfloat16 copy) and the qkv bias. ``kinds`` holds
-// one linear kind per linear: 0 dense (weight in slot a), 1 int8 weight-only
-// (a = int8 weight, b = float32 scales; gemv_int8 up to ``direct_max_rows``
-// rows, then gemm_bf16_packed up to PACKED_MAX_ROWS where there is a packed
-// copy), 2 int4 groups (a = int4pack, b = scales and zeros; up to 4 rows); the
-// dense copy beyond. The Python model keeps
-// the same numerics path by path (model/llama.py), so both agree.
+// The Python <-> C++ contract for weights (model/quant.py builds these):
+// named fields, a kind enum, and one dispatch rule, ``linear``, which the
+// Python linear modules call too, so the model layer by layer and the fused
+// decode loop below cannot take different paths for the same rows.
 // ---------------------------------------------------------------------------
+
+// How a linear layer's weights are stored, and so which kernels may run it.
+enum class LinearKind : int64_t {
+  // ``weight`` (N, K) in the activation dtype; at::linear.
+  Dense = 0,
+  // int8 weight-only, fastest path per row count (not batch-invariant):
+  // ``weight`` int8 (N, K), ``scale`` (N,); gemv_int8 up to GEMV_MAX_ROWS rows,
+  // gemm_bf16_packed on ``packed`` up to PACKED_MAX_ROWS, then at::linear on
+  // ``dense`` (bfloat16).
+  Int8Rows = 1,
+  // 4-bit groups: ``weight`` int4pack, ``scale`` scales and zeros; torch's
+  // int4 GEMV up to INT4_DIRECT_MAX_ROWS rows, then ``dense`` (bfloat16).
+  Int4 = 2,
+  // W8A16, batch-invariant (linear_lanes.cpp): ``weight`` int8 lanes
+  // (N/8, K/2, 8, 2), ``scale`` (N,); any number of rows.
+  Int8Lanes = 3,
+  // float32, batch-invariant (linear_lanes.cpp): ``weight`` float32 lanes (N/8, K, 8).
+  DenseLanes = 4,
+};
+
+// One linear layer's weights. Tensors a kind does not use are empty.
+struct LinearWeights {
+  LinearKind kind = LinearKind::Dense;
+  Tensor weight, scale, dense, packed, bias;
+  bool input_bf16 = false;  // the dtype the layer's producer must emit
+};
+
+// One decoder layer's weights (absent biases are empty tensors).
+struct LayerWeights {
+  Tensor attn_norm;
+  LinearWeights qkv;
+  Tensor qkv_bias;  // added by rope_store, not by the matmul
+  LinearWeights o;
+  Tensor ffn_norm;
+  LinearWeights gate_up, down;
+};
 
 namespace {
 
-constexpr int64_t LAYER_SLOTS = 20;
+// Rows up to which Int8Rows reads the int8 weights directly: gemv_int8 beat
+// any bfloat16 GEMM up to 8 rows on the 2-core AVX-512 machine.
+constexpr int64_t GEMV_MAX_ROWS = 8;
 constexpr int64_t INT4_DIRECT_MAX_ROWS = 4;
-enum Slot {
-  ATTN_NORM = 0, QKV_A, QKV_B, QKV_DENSE, QKV_PACKED, QKV_BIAS, O_A, O_B, O_DENSE, O_PACKED,
-  FFN_NORM, GU_A, GU_B, GU_DENSE, GU_PACKED, DOWN_A, DOWN_B, DOWN_DENSE, DOWN_PACKED, O_BIAS
-};
-
-Tensor linear(const Tensor& x, int64_t kind, const Tensor& a, const Tensor& b, const Tensor& dense, const Tensor& packed, const Tensor& bias,
-              int64_t direct_max_rows) {
-  Tensor y;
-  if (kind == 1 && x.size(0) <= direct_max_rows) {
-    y = gemv_int8(x, a, b);
-  } else if (kind == 1 && packed.numel() && x.size(0) <= PACKED_MAX_ROWS) {
-    y = gemm_bf16_packed(x, packed);
-  } else if (kind == 2 && x.size(0) <= INT4_DIRECT_MAX_ROWS) {
-    y = at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), a, 32, b);
-  } else if (kind == 0) {
-    y = at::linear(x, a);
-  } else {
-    y = at::linear(x.to(dense.scalar_type()), dense);
-  }
-  return bias.defined() && bias.numel() ? y.add_(bias) : y;
-}
 
 }  // namespace
 
-Tensor decode_layers(Tensor x, std::vector<Tensor> tensors, std::vector<int64_t> kinds, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
+// y = x W^T (+ bias), float32 (bfloat16 for Int4 and beyond-GEMV dense copies).
+// The one dispatch rule for every linear layer.
+Tensor linear(Tensor x, const LinearWeights& w) {
+  const int64_t rows = x.size(0);
+  Tensor y;
+  switch (w.kind) {
+    case LinearKind::Int8Lanes:
+      y = linear_w8a16(x, w.weight, w.scale);
+      break;
+    case LinearKind::DenseLanes:
+      y = linear_f32_lanes(x, w.weight);
+      break;
+    case LinearKind::Int8Rows:
+      if (rows <= GEMV_MAX_ROWS) {
+        y = gemv_int8(x, w.weight, w.scale);
+      } else if (w.packed.defined() && w.packed.numel() && rows <= PACKED_MAX_ROWS) {
+        y = gemm_bf16_packed(x, w.packed);
+      } else {
+        y = at::linear(x.to(w.dense.scalar_type()), w.dense);
+      }
+      break;
+    case LinearKind::Int4:
+      y = rows <= INT4_DIRECT_MAX_ROWS ? at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), w.weight, 32, w.scale)
+                                       : at::linear(x.to(w.dense.scalar_type()), w.dense);
+      break;
+    case LinearKind::Dense:
+      y = at::linear(x.to(w.weight.scalar_type()), w.weight);
+      break;
+    default:
+      TORCH_CHECK(false, "linear: unknown LinearKind ", static_cast<int64_t>(w.kind));
+  }
+  return w.bias.defined() && w.bias.numel() ? y.add_(w.bias) : y;
+}
+
+// The whole decoder stack for a decode-only step, in one call: per layer the
+// same kernels, in the same order, as model/llama.py's layer-by-layer path.
+Tensor decode_layers(Tensor x, const std::vector<LayerWeights>& layers, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
                      Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps,
-                     int64_t direct_max_rows, bool compute_bf16) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * LAYER_SLOTS, "decode_layers: wrong number of tensors");
+                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps) {
+  const int64_t n_layers = static_cast<int64_t>(layers.size());
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n_layers && static_cast<int64_t>(v_caches.size()) == n_layers,
+              "decode_layers: one K and one V cache per layer");
   const int64_t tokens = x.size(0), hidden = x.size(1), q_size = num_heads * head_dim;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  auto opts = x.options().dtype(compute_bf16 ? at::kBFloat16 : at::kFloat);
+  auto dtype_for = [&](const LinearWeights& w) { return x.options().dtype(w.input_bf16 ? at::kBFloat16 : at::kFloat); };
   Tensor delta;
-  for (int64_t l = 0; l < layers; ++l) {
-    const Tensor* t = tensors.data() + l * LAYER_SLOTS;
-    const int64_t* k = kinds.data() + l * 4;
-    Tensor h = torch::empty({tokens, hidden}, opts);
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const LayerWeights& lw = layers[l];
+    Tensor h = torch::empty({tokens, hidden}, dtype_for(lw.qkv));
     if (delta.defined()) {
-      add_rmsnorm(h, x, delta.contiguous(), t[ATTN_NORM], eps);
+      add_rmsnorm(h, x, delta.contiguous(), lw.attn_norm, eps);
     } else {
-      rmsnorm(h, x, t[ATTN_NORM], eps);
+      rmsnorm(h, x, lw.attn_norm, eps);
     }
-    Tensor qkv = linear(h, k[0], t[QKV_A], t[QKV_B], t[QKV_DENSE], t[QKV_PACKED], Tensor(), direct_max_rows);
+    Tensor qkv = linear(h, lw.qkv);
     c10::optional<Tensor> qkv_bias;
-    if (t[QKV_BIAS].numel()) qkv_bias = t[QKV_BIAS];
+    if (lw.qkv_bias.defined() && lw.qkv_bias.numel()) qkv_bias = lw.qkv_bias;
     Tensor q = rope_store(qkv.contiguous(), cos, sin, positions, slots, k_caches[l], v_caches[l], num_heads, num_kv_heads, head_dim, qkv_bias);
-    Tensor attn = torch::empty({tokens, q_size}, opts);
-    paged_attention_decode(attn, q, k_caches[l], v_caches[l], block_tables, context_lens, block_size, scale);
-    Tensor o = linear(attn, k[1], t[O_A], t[O_B], t[O_DENSE], t[O_PACKED], t[O_BIAS], direct_max_rows);
-    Tensor h2 = torch::empty({tokens, hidden}, opts);
-    add_rmsnorm(h2, x, o.contiguous(), t[FFN_NORM], eps);
-    Tensor gate_up = linear(h2, k[2], t[GU_A], t[GU_B], t[GU_DENSE], t[GU_PACKED], Tensor(), direct_max_rows);
-    Tensor act = torch::empty({tokens, gate_up.size(1) / 2}, opts);
+    Tensor attn = torch::empty({tokens, q_size}, dtype_for(lw.o));
+    paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, c10::nullopt, context_lens, block_size, scale);
+    Tensor o = linear(attn, lw.o);
+    Tensor h2 = torch::empty({tokens, hidden}, dtype_for(lw.gate_up));
+    add_rmsnorm(h2, x, o.contiguous(), lw.ffn_norm, eps);
+    Tensor gate_up = linear(h2, lw.gate_up);
+    Tensor act = torch::empty({tokens, gate_up.size(1) / 2}, dtype_for(lw.down));
     silu_mul(act, gate_up.contiguous());
-    delta = linear(act, k[3], t[DOWN_A], t[DOWN_B], t[DOWN_DENSE], t[DOWN_PACKED], Tensor(), direct_max_rows);
+    delta = linear(act, lw.down);
   }
   if (delta.defined()) x.add_(delta);
   return x;
@@ -793,14 +981,35 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("packed_max_rows") = 0;
 #endif
+  py::enum_<LinearKind>(m, "LinearKind")
+      .value("DENSE", LinearKind::Dense)
+      .value("INT8_ROWS", LinearKind::Int8Rows)
+      .value("INT4", LinearKind::Int4)
+      .value("INT8_LANES", LinearKind::Int8Lanes)
+      .value("DENSE_LANES", LinearKind::DenseLanes);
+  py::class_<LinearWeights>(m, "LinearWeights")
+      .def(py::init([](LinearKind kind, Tensor weight, Tensor scale, Tensor dense, Tensor packed, Tensor bias, bool input_bf16) {
+             return LinearWeights{kind, weight, scale, dense, packed, bias, input_bf16};
+           }),
+           py::kw_only(), py::arg("kind"), py::arg("weight"), py::arg("scale"), py::arg("dense"), py::arg("packed"), py::arg("bias"),
+           py::arg("input_bf16"))
+      .def_readonly("kind", &LinearWeights::kind);
+  py::class_<LayerWeights>(m, "LayerWeights")
+      .def(py::init([](Tensor attn_norm, LinearWeights qkv, Tensor qkv_bias, LinearWeights o, Tensor ffn_norm, LinearWeights gate_up,
+                       LinearWeights down) { return LayerWeights{attn_norm, qkv, qkv_bias, o, ffn_norm, gate_up, down}; }),
+           py::kw_only(), py::arg("attn_norm"), py::arg("qkv"), py::arg("qkv_bias"), py::arg("o"), py::arg("ffn_norm"), py::arg("gate_up"),
+           py::arg("down"));
   m.def("claim_threads", &claim_threads);
+  m.def("linear", &linear, no_gil());
+  m.def("linear_w8a16", &linear_w8a16, no_gil());
+  m.def("linear_f32_lanes", &linear_f32_lanes, no_gil());
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());
   m.def("rmsnorm", &rmsnorm, no_gil());
   m.def("add_rmsnorm", &add_rmsnorm, no_gil());
   m.def("rope_store", &rope_store, no_gil());
-  m.def("paged_attention_decode", &paged_attention_decode, no_gil());
+  m.def("paged_attention", &paged_attention, no_gil());
   m.def("silu_mul", &silu_mul, no_gil());
   m.def("pack_kv_int8", &pack_kv_int8, no_gil());
 }

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from torch.nn import functional as F
 
 from ember.config import ModelConfig
 from ember.kernels import cpu as cpu_kernels
-from ember.model.quant import GEMV_MAX_ROWS, linear_parts, make_linear
+from ember.model.quant import make_linear
 
 
 @dataclass
@@ -61,6 +62,13 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None = None  # (B,)
     block_size: int = 16
     prefills: list[PrefillSegment] = field(default_factory=list)
+    # One paged attention call for every new token (the batch-invariant kernel
+    # path): block tables of the step's sequences, then per token the row of
+    # its sequence (None when token i is on row i: a decode-only step) and its
+    # context length (position + 1).
+    block_tables: torch.Tensor | None = None  # (S, max_blocks)
+    token_table_rows: torch.Tensor | None = None  # (T,)
+    token_context_lens: torch.Tensor | None = None  # (T,)
     # Rotations for the new tokens (torch path), filled by the model.
     rope_freqs: torch.Tensor | None = None  # (T, 1, Hd/2) complex
 
@@ -98,7 +106,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, weight: torch.Tensor, eps: float, kernels: object | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, eps: float, kernels: Any = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.eps = eps
@@ -124,7 +132,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache; q/k/v in one fused matmul."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: object | None) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -132,11 +140,11 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.kernels = kernels
-        self.qkv = make_linear(torch.cat([w["q"], w["k"], w["v"]]), None, quantization, dtype, device)
+        self.qkv = make_linear(torch.cat([w["q"], w["k"], w["v"]]), None, quantization, dtype, device, kernels, batch_invariant)
         # Kept apart from the matmul: the fused rotary kernel adds it on the fly.
         bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
         self.register_buffer("qkv_bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
-        self.o = make_linear(w["o"], w.get("o_bias"), quantization, dtype, device)
+        self.o = make_linear(w["o"], w.get("o_bias"), quantization, dtype, device, kernels, batch_invariant)
         # Measured: torch's CPU flash attention is slower in bfloat16 (398 ms for a
         # 1,000-token prompt) than in float32 (338 ms), so prompts attend in the model dtype.
         self.prefill_attention_dtype = dtype
@@ -153,10 +161,17 @@ class Attention(nn.Module):
             )
         else:
             q = self._rope_store(qkv, meta, k_cache, v_cache)
+        if meta.token_context_lens is not None:  # every token in one call: decode and prompt rows alike
+            self.kernels.paged_attention(
+                out, q, k_cache, v_cache, meta.block_tables, meta.token_table_rows, meta.token_context_lens, meta.block_size, self.scale
+            )
+            return self.o(out)
         nd = meta.num_decode_tokens
         if nd:
             if self.kernels is not None:
-                self.kernels.paged_attention_decode(out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, meta.block_size, self.scale)
+                self.kernels.paged_attention(
+                    out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables, None, meta.decode_context_lens, meta.block_size, self.scale
+                )
             else:
                 out[:nd] = self._decode(q[:nd], meta, k_cache, v_cache)
         for seg in meta.prefills:
@@ -209,12 +224,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one fused matmul."""
 
-    def __init__(self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: object | None) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool) -> None:
         super().__init__()
         self.hidden = w["gate"].shape[0]
         self.kernels = kernels
-        self.gate_up = make_linear(torch.cat([w["gate"], w["up"]]), None, quantization, dtype, device)
-        self.down = make_linear(w["down"], None, quantization, dtype, device)
+        self.gate_up = make_linear(torch.cat([w["gate"], w["up"]]), None, quantization, dtype, device, kernels, batch_invariant)
+        self.down = make_linear(w["down"], None, quantization, dtype, device, kernels, batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)  # (T, 2F)
@@ -230,12 +245,12 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual additions are deferred into the next norm
     (``add_norm``) so that each addition and normalisation is one pass."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: object | None) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(w["attn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
-        self.attn = Attention(config, w, quantization, dtype, device, kernels)
+        self.attn = Attention(config, w, quantization, dtype, device, kernels, batch_invariant)
         self.ffn_norm = RMSNorm(w["ffn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
-        self.mlp = MLP(w, quantization, dtype, device, kernels)
+        self.mlp = MLP(w, quantization, dtype, device, kernels, batch_invariant)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Adds ``delta`` (the previous block's output) to the residual ``x`` in
@@ -253,11 +268,25 @@ class LlamaModel(nn.Module):
     dtype and device are shared, not copied.
     """
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, quantization: str, device: torch.device, max_positions: int, use_kernels: bool = True) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        quantization: str,
+        device: torch.device,
+        max_positions: int,
+        use_kernels: bool = True,
+        batch_invariant: bool = True,
+    ) -> None:
         super().__init__()
         # The fused CPU kernels assume a float32 residual stream and KV cache.
         kernels = cpu_kernels.load() if use_kernels and device.type == "cpu" and dtype == torch.float32 else None
         self.kernels = kernels
+        # Batch invariance needs the kernels (their lane linears and the paged
+        # attention for prompt rows too); torch's own ops do not promise it, and
+        # int4 and w8a8 have no lane kernels.
+        self.batch_invariant = batch_invariant and kernels is not None and quantization in ("none", "int8")
         self.config = config
         self.dtype = dtype
         weights = dict(weights)  # the caller's dict stays intact (tests build several models)
@@ -266,40 +295,42 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(embed.to(device=device, dtype=dtype), requires_grad=False)
         # The output layer decides every token: it never goes below 8 bits.
         head_quantization = "int8" if quantization == "int4" else quantization
-        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_quantization, dtype, device)
+        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_quantization, dtype, device, kernels, self.batch_invariant)
         if quantization == "none" and lm_head is None and dtype == self.embed.dtype:
-            self.lm_head.weight = self.embed  # tied: one copy in memory
+            self.lm_head.share_weight(self.embed)  # tied: one copy in memory (unless it runs from lanes)
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             layer_w = {k[len(prefix) :]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(DecoderLayer(config, layer_w, quantization, dtype, device, kernels))
-        self.norm = RMSNorm(weights.pop("norm").to(device=device, dtype=dtype), config.rms_norm_eps)
+            self.layers.append(DecoderLayer(config, layer_w, quantization, dtype, device, kernels, self.batch_invariant))
+        self.norm = RMSNorm(weights.pop("norm").to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
         self.register_buffer("rope", rope_frequencies(config, max_positions).to(device), persistent=False)
         self.rope_cos, self.rope_sin = self.rope.real.contiguous(), self.rope.imag.contiguous()  # (max_pos, Hd/2) float32
         for layer in self.layers:
             layer.attn.rope_cos, layer.attn.rope_sin = self.rope_cos, self.rope_sin
         self._decode_plan = self._build_decode_plan() if kernels is not None else None
 
-    def _build_decode_plan(self) -> tuple[list[torch.Tensor], list[int], bool] | None:
-        """Flat per-layer tensors for ``decode_layers`` (slot order of cpu_kernels.cpp); None if a layer type has no C++ twin."""
-        empty = torch.empty(0)
-        tensors: list[torch.Tensor] = []
-        kinds: list[int] = []
-        input_dtypes = set()
+    def _build_decode_plan(self) -> list[Any] | None:
+        """Each layer's weights as ``decode_layers`` takes them (kernels/cpu_kernels.cpp ``LayerWeights``); None if a linear has no C++ twin."""
+        plan = []
         for layer in self.layers:
             attn, mlp = layer.attn, layer.mlp
-            parts = [linear_parts(attn.qkv), linear_parts(attn.o), linear_parts(mlp.gate_up), linear_parts(mlp.down)]
-            if any(p is None for p in parts):
+            linears = [attn.qkv.kernel_weights, attn.o.kernel_weights, mlp.gate_up.kernel_weights, mlp.down.kernel_weights]
+            if any(w is None for w in linears):
                 return None
-            (k0, *qkv), (k1, *o), (k2, *gu), (k3, *down) = parts  # type: ignore[misc]
-            kinds += [k0, k1, k2, k3]
-            bias = lambda t: empty if t is None else t  # noqa: E731
-            tensors += [layer.attn_norm.weight, *qkv, bias(attn.qkv_bias), *o, layer.ffn_norm.weight, *gu, *down, bias(attn.o.bias)]
-            input_dtypes |= {attn.qkv.input_dtype, attn.o.input_dtype, mlp.gate_up.input_dtype, mlp.down.input_dtype}
-        if len(input_dtypes) != 1:
-            return None
-        return tensors, kinds, input_dtypes.pop() == torch.bfloat16
+            qkv, o, gate_up, down = linears
+            plan.append(
+                self.kernels.LayerWeights(
+                    attn_norm=layer.attn_norm.weight,
+                    qkv=qkv,
+                    qkv_bias=torch.empty(0) if attn.qkv_bias is None else attn.qkv_bias,
+                    o=o,
+                    ffn_norm=layer.ffn_norm.weight,
+                    gate_up=gate_up,
+                    down=down,
+                )
+            )
+        return plan
 
     @torch.inference_mode()
     def forward(
@@ -312,20 +343,22 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Run the new tokens through the network; return float32 logits (N, vocab)."""
         x = self._residual_stream(input_ids, positions, meta, kv_caches)
-        x = self.norm(x[logits_indices])
-        return self.lm_head(x.to(self.lm_head.input_dtype)).float()
+        x = self.norm.add_norm(x[logits_indices], None, self.lm_head.input_dtype)
+        return self.lm_head(x).float()
 
     def _residual_stream(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], per_layer: list[torch.Tensor] | None = None) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)  # (T, D), a fresh tensor: updated in place below
         meta.positions = positions
         if self._decode_plan is not None and not meta.prefills and per_layer is None:
             # Decode-only step: the whole stack in one compiled call, no Python per layer.
-            tensors, kinds, compute_bf16 = self._decode_plan
             c = self.config
+            unified = meta.token_context_lens is not None
             return self.kernels.decode_layers(
-                x, tensors, kinds, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.rope_cos, self.rope_sin,
-                positions, meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
-                c.num_heads, c.num_kv_heads, c.head_dim, meta.block_size, c.rms_norm_eps, GEMV_MAX_ROWS, compute_bf16,
+                x, self._decode_plan, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.rope_cos, self.rope_sin,
+                positions, meta.slot_mapping,
+                meta.block_tables if unified else meta.decode_block_tables,
+                meta.token_context_lens if unified else meta.decode_context_lens,
+                c.num_heads, c.num_kv_heads, c.head_dim, meta.block_size, c.rms_norm_eps,
             )
         if self.kernels is None:
             meta.rope_freqs = self.rope[positions].unsqueeze(1)  # (T, 1, Hd/2)

@@ -1,68 +1,133 @@
-"""Linear layers: dense, int8 weight-only, and int8 weights with int8 activations.
+"""Linear layers: dense, int8 weight-only, int4 groups, and fbgemm's w8a8.
 
-Three numerics, chosen by ``EngineConfig.quantization``:
+Numerics, chosen by ``EngineConfig.quantization``, and with the compiled CPU
+kernels by ``EngineConfig.batch_invariant``:
 
-* ``none``: ``y = x W^T`` in the activation dtype.
-* ``int8`` (weight-only): ``W ~ q * s`` with ``q`` int8 and one float scale
-  per output channel. A matmul of a few rows (decode) is memory-bound, so it
-  reads the int8 weight directly (a quarter of float32's bytes). Many rows
-  (prefill, large decode batches) are compute-bound; they use a bfloat16 dense
-  copy of the dequantized weight on the fast GEMM. Both paths compute with the
-  same dequantized weight values.
+* ``none``: ``y = x W^T`` in the activation dtype. Batch-invariant (float32
+  with the kernels): a float32 copy of ``W`` in lanes of 8 outputs
+  (``linear_f32_lanes``), one fixed reduction order per output whatever the
+  number of rows.
+* ``int8``: ``W ~ q * s`` with ``q`` int8 and one float scale per output
+  channel. Batch-invariant (the default): W8A16 (``linear_w8a16``,
+  kernels/linear_lanes.cpp): activations quantized per row to int16 in groups
+  of 64, exact integer dot products, one fixed float epilogue; 1 byte per
+  weight for every row count, no second copy. Otherwise (the previous path,
+  ``batch_invariant=False``): float32 activations on the int8 weights up to 8
+  rows, a bfloat16 copy (packed for AVX512-BF16 up to 64 rows, row-major
+  beyond) for more rows; the fastest per shape on AVX-512, but a row's logits
+  depend on how many rows share the step.
 * ``int4``: 4-bit groups of 32 (``w ~ (q - 8) s + z``), torch's int4pack GEMV
   for decode rows; it reproduces a GGUF Q4_0/Q4_1 weight exactly.
-* ``w8a8``: fbgemm's dynamic quantization (``quantized::linear_dynamic``): the
-  activation is also quantized to int8, per call, and the product runs on int8
-  units. Fastest at every batch size on AVX-512 VNNI, but activation outliers
-  make it clearly less accurate (README, "Numerics"); opt-in.
+* ``w8a8``: fbgemm's dynamic quantization (``quantized::linear_dynamic``),
+  activations quantized per call; opt-in, less accurate (README, "Numerics").
+
+Each module says how the compiled kernels run it through ``kernel_weights``
+(a ``LinearWeights`` of kernels/cpu_kernels.cpp, or None when torch runs it),
+and ``forward`` goes through the kernels' one dispatch rule (``linear``), the
+same one the fused decode loop uses.
 """
 
 from __future__ import annotations
 
 import functools
+from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
 
-from ember.kernels import cpu as cpu_kernels
-
-# Rows at or below which the int8 weight-only path reads int8 weights directly
-# (Ember's float32 GEMV; measured faster than any bf16 GEMM up to 8 rows on the
-# 2-core AVX-512 machine). From there up to the kernels' ``packed_max_rows``
-# (64 where they were built with AVX512-BF16, else 0) a bfloat16 copy packed
-# for vdpbf16ps is used: all 30 layers' linears at 16 rows take 15.8 ms that
-# way against 24.2 ms for oneDNN's bf16 GEMM on the row-major copy. torch's
-# int8pack (no compiled kernels) beats the GEMM up to 4 rows.
-GEMV_MAX_ROWS = 8
+# Without compiled kernels, torch's int8pack beats the bfloat16 GEMM up to 4 rows.
 INT8_DIRECT_MAX_ROWS = 4
+# Lanes of the batch-invariant kernels: outputs per vector (linear_lanes.cpp).
+LANES = 8
 
 QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 INT4_GROUP = 32
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """A linear layer for ``weight`` (out, in) in the engine's numerics."""
+def make_linear(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    quantization: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    kernels: ModuleType | None = None,
+    batch_invariant: bool = True,
+) -> nn.Module:
+    """A linear layer for ``weight`` (out, in) in the engine's numerics.
+
+    ``kernels`` is the compiled CPU module (None: torch ops); ``batch_invariant``
+    picks the kernels' lane layouts, whose results do not depend on the rows in a call.
+    """
+    lanes = kernels is not None and batch_invariant and weight.shape[0] % LANES == 0 and weight.shape[1] % 2 == 0
     if quantization == "int8":
-        return Int8Linear(weight, bias, dtype, device)
+        return Int8Linear(weight, bias, dtype, device, kernels, lanes)
     if quantization == "w8a8":
         return DynamicInt8Linear(weight, bias, dtype, device)
     if quantization == "int4":
-        return Int4Linear(weight, bias, dtype, device)
+        return Int4Linear(weight, bias, dtype, device, kernels)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
-    return DenseLinear(weight, bias, dtype, device)
+    return DenseLinear(weight, bias, dtype, device, kernels, lanes and dtype == torch.float32)
+
+
+_EMPTY = torch.empty(0)
+
+
+def _kernel_weights(kernels: ModuleType, kind: str, weight: torch.Tensor, input_dtype: torch.dtype, **parts: torch.Tensor | None) -> Any:
+    """A ``LinearWeights`` for the kernels: absent parts become empty tensors."""
+    given = {name: _EMPTY if parts.get(name) is None else parts[name] for name in ("scale", "dense", "packed", "bias")}
+    return kernels.LinearWeights(
+        kind=getattr(kernels.LinearKind, kind), weight=weight, input_bf16=input_dtype == torch.bfloat16, **given
+    )
+
+
+def pack_lanes(weight: torch.Tensor, pair: bool) -> torch.Tensor:
+    """(N, K) -> lanes of 8 outputs: (N/8, K/2, 8, 2) when ``pair`` (int8 pairs for vpmaddwd), else (N/8, K, 8).
+
+    The layouts of kernels/linear_lanes.cpp: one vector load gives every lane
+    (output) its next input (pair).
+    """
+    n, k = weight.shape
+    if pair:
+        return weight.reshape(n // LANES, LANES, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return weight.reshape(n // LANES, LANES, k).permute(0, 2, 1).contiguous()
 
 
 class DenseLinear(nn.Module):
-    """``y = x W^T + b`` in ``dtype``."""
+    """``y = x W^T + b`` in ``dtype``; with ``lanes``, only a float32 lane copy of ``W`` is kept (batch-invariant)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: ModuleType | None, lanes: bool
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
+        dense = weight.to(device=device, dtype=dtype).contiguous()
+        self.weight: nn.Parameter | None = None if lanes else nn.Parameter(dense, requires_grad=False)
+        self.register_buffer("lanes", pack_lanes(dense, pair=False) if lanes else None)
         self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.input_dtype = dtype
+        self.kernels = kernels
+        self.kernel_weights = self._build_kernel_weights()
+
+    def _build_kernel_weights(self) -> Any:
+        if self.kernels is None:
+            return None
+        bias = None if self.bias is None else self.bias.detach().float()
+        if self.lanes is not None:
+            return _kernel_weights(self.kernels, "DENSE_LANES", self.lanes, self.input_dtype, bias=bias)
+        assert self.weight is not None
+        return _kernel_weights(self.kernels, "DENSE", self.weight.detach(), self.input_dtype, bias=bias)
+
+    def share_weight(self, weight: nn.Parameter) -> None:
+        """Use ``weight`` (the same values, e.g. a tied embedding) instead of a row-major copy of it."""
+        if self.lanes is None:
+            self.weight = weight
+            self.kernel_weights = self._build_kernel_weights()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weights is not None:
+            return self.kernels.linear(x, self.kernel_weights)
+        assert self.weight is not None
         return nn.functional.linear(x.to(self.input_dtype), self.weight, self.bias)
 
 
@@ -91,39 +156,44 @@ def pack_bf16_for_kernels(dense: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """Weight-only int8 with per-output-channel scales; see the module docstring.
 
-    On CPU up to 8 rows (decode) go through Ember's int8 GEMV kernel
-    (kernels/cpu_kernels.cpp: float32 activations, ~31 GB/s of weights) or,
-    without it, torch's int8pack; 9 to 64 rows (batched decode) through Ember's
-    bfloat16 kernel on a packed copy where the CPU has AVX512-BF16; more rows
-    (prefill) through the bfloat16 GEMM on a dense copy. Both copies hold the
-    same values, the int8 weights times their scales rounded to bfloat16.
-    ``input_dtype`` tells producers which dtype to emit so no cast is needed.
+    With the kernels and ``lanes``: the int8 weights in lanes, nothing else
+    (W8A16, batch-invariant). With the kernels otherwise: the int8 weights
+    row-major for the GEMV, a bfloat16 dense copy and, where the CPU has
+    AVX512-BF16, a packed bfloat16 copy (all the same values, the int8 weights
+    times their scales rounded to bfloat16). Without kernels: torch's int8pack
+    for a few rows, the dense copy beyond. ``input_dtype`` tells producers
+    which dtype to emit so no cast is needed.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: ModuleType | None, lanes: bool
+    ) -> None:
         super().__init__()
         q, scale = quantize_per_channel_int8(weight)
-        self.kernels = cpu_kernels.load() if device.type == "cpu" else None
+        self.kernels = kernels if device.type == "cpu" else None
         self.direct = device.type == "cpu"
         self.compute_dtype = torch.bfloat16 if self.direct else dtype
-        self.register_buffer("qweight", q.to(device))
         self.register_buffer("scale", scale.to(device=device, dtype=torch.float32))
-        self.register_buffer("scale_compute", scale.to(device=device, dtype=self.compute_dtype))
-        self.register_buffer("dense", (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
-        out_f, in_f = weight.shape
-        packable = self.kernels is not None and self.compute_dtype == torch.bfloat16 and out_f % 16 == 0 and in_f % 2 == 0
-        self.packed_max_rows = int(getattr(self.kernels, "packed_max_rows", 0)) if packable else 0
-        self.register_buffer("packed", pack_bf16_for_kernels(self.dense) if self.packed_max_rows else None)
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
         self.input_dtype = torch.float32 if self.kernels is not None else self.compute_dtype
+        lanes = lanes and self.kernels is not None
+        self.register_buffer("qweight", pack_lanes(q, pair=True).to(device) if lanes else q.to(device))
+        self.register_buffer("dense", None if lanes else (q.float() * scale[:, None]).to(device=device, dtype=self.compute_dtype))
+        self.register_buffer("scale_compute", None if lanes else scale.to(device=device, dtype=self.compute_dtype))
+        out_f, in_f = weight.shape
+        packable = not lanes and self.kernels is not None and int(self.kernels.packed_max_rows) > 0 and out_f % 16 == 0 and in_f % 2 == 0
+        self.register_buffer("packed", pack_bf16_for_kernels(self.dense) if packable else None)
+        self.kernel_weights: Any = None
+        if self.kernels is not None:
+            kind = "INT8_LANES" if lanes else "INT8_ROWS"
+            self.kernel_weights = _kernel_weights(
+                self.kernels, kind, self.qweight, self.input_dtype, scale=self.scale, dense=self.dense, packed=self.packed, bias=self.bias
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.kernels is not None and rows <= GEMV_MAX_ROWS:
-            y = self.kernels.gemv_int8(x, self.qweight, self.scale)
-        elif rows <= self.packed_max_rows:
-            y = self.kernels.gemm_bf16_packed(x, self.packed)
-        elif self.direct and rows <= INT8_DIRECT_MAX_ROWS:
+        if self.kernel_weights is not None:
+            return self.kernels.linear(x, self.kernel_weights)
+        if self.direct and x.shape[0] <= INT8_DIRECT_MAX_ROWS:
             y = torch._weight_int8pack_mm(x.to(self.compute_dtype), self.qweight, self.scale_compute)
         else:
             y = nn.functional.linear(x.to(self.compute_dtype), self.dense)
@@ -150,7 +220,7 @@ class Int4Linear(nn.Module):
     """Weight-only 4-bit groups (torch's int4pack GEMV on CPU) for the memory-bound
     decode rows, a dense bfloat16 copy of the same values for many rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: ModuleType | None) -> None:
         super().__init__()
         if device.type != "cpu" or weight.shape[1] % INT4_GROUP:
             raise ValueError("quantization='int4' needs a CPU and input sizes divisible by 32")
@@ -161,29 +231,22 @@ class Int4Linear(nn.Module):
         dense = (q.float() - 8) * scale.t().repeat_interleave(INT4_GROUP, 1) + zero.t().repeat_interleave(INT4_GROUP, 1)
         self.register_buffer("dense", dense.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.to(device=device, dtype=torch.bfloat16))
+        self.kernels = kernels
+        self.kernel_weights: Any = None
+        if kernels is not None:
+            self.kernel_weights = _kernel_weights(
+                kernels, "INT4", self.packed, self.input_dtype, scale=self.scale_zero, dense=self.dense, bias=self.bias
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel_weights is not None:
+            return self.kernels.linear(x, self.kernel_weights)
         xc = x.to(torch.bfloat16)
         if x.shape[0] <= INT8_DIRECT_MAX_ROWS:
             y = torch._weight_int4pack_mm_for_cpu(xc, self.packed, INT4_GROUP, self.scale_zero)
         else:
             y = nn.functional.linear(xc, self.dense)
         return y if self.bias is None else y + self.bias
-
-
-def linear_parts(layer: nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(kind, quantized weight, scales, dense copy, packed bf16 copy) as the C++ decode loop takes them; None if it has no twin.
-
-    Kinds: 0 dense, 1 int8 weight-only, 2 int4 groups (see kernels/cpu_kernels.cpp).
-    """
-    empty = torch.empty(0)
-    if isinstance(layer, DenseLinear):
-        return 0, layer.weight, empty, empty, empty
-    if isinstance(layer, Int8Linear) and layer.kernels is not None:
-        return 1, layer.qweight, layer.scale, layer.dense, empty if layer.packed is None else layer.packed
-    if isinstance(layer, Int4Linear):
-        return 2, layer.packed, layer.scale_zero, layer.dense, empty
-    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -211,6 +274,7 @@ class DynamicInt8Linear(nn.Module):
         # Without VNNI, fbgemm's u8*s8 pairs can saturate int16; reduce_range avoids it.
         self._reduce_range = not _cpu_has_vnni()
         self.input_dtype = torch.float32
+        self.kernel_weights = None  # fbgemm runs it: the fused decode loop has no twin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.quantized.linear_dynamic(x.to(torch.float32), self._packed, self._reduce_range)

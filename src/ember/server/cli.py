@@ -35,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--max-num-seqs", type=int, default=_E.max_num_seqs, help="most sequences in one step")
     m.add_argument("--max-model-len", type=int, default=_E.max_model_len, help="context limit (0: the model's own)")
     m.add_argument("--no-prefix-caching", action="store_true", help="disable KV prefix reuse")
+    m.add_argument(
+        "--no-batch-invariant",
+        action="store_true",
+        help="the previous per-shape kernels: faster on AVX-512, but a request's tokens may change with what shares its batch",
+    )
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default=_S.host)
@@ -158,6 +163,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
+        batch_invariant=not args.no_batch_invariant,
     )
     server = ServerConfig(
         host=args.host,
