@@ -51,7 +51,11 @@ class EngineFigures:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model path (default: the embedded model)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
-    parser.add_argument("--modes", default="float32:int8", help="comma-separated dtype:quantization pairs to measure")
+    parser.add_argument(
+        "--modes",
+        default="float32:int8,float32:int8:previous",
+        help="comma-separated dtype:quantization[:previous] to measure; ':previous' takes the previous per-shape kernels (--no-batch-invariant)",
+    )
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3, help="decode and prefill runs; the median is reported")
@@ -69,8 +73,8 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rows: list[EngineFigures] = []
     for mode in args.modes.split(","):
-        dtype, quantization = mode.split(":")
-        rows.append(measure_engine(args, dtype, quantization))
+        dtype, quantization, *previous = mode.split(":")
+        rows.append(measure_engine(args, dtype, quantization, batch_invariant=not previous))
     reference = None if args.no_reference else measure_transformers(args)
     llama_cpp = measure_llama_cpp(args)
     _print(rows, reference, llama_cpp, args)
@@ -85,22 +89,25 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(args: argparse.Namespace, dtype: str, quantization: str):
+def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
 
-    config = EngineConfig(dtype=dtype, quantization=quantization, threads=args.threads, enable_prefix_caching=False)
+    config = EngineConfig(
+        dtype=dtype, quantization=quantization, threads=args.threads, enable_prefix_caching=False, batch_invariant=batch_invariant
+    )
     if args.chunk:
         config = EngineConfig(**{**asdict(config), "max_num_batched_tokens": args.chunk})
     return LLMEngine(args.model, config)
 
 
-def measure_engine(args: argparse.Namespace, dtype: str, quantization: str) -> EngineFigures:
+def measure_engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True) -> EngineFigures:
     from ember.engine.sampling import SamplingParams
 
     started = time.perf_counter()
-    engine = _engine(args, dtype, quantization)
-    figures = EngineFigures(mode=f"{dtype}/{quantization}", load_s=time.perf_counter() - started)
+    engine = _engine(args, dtype, quantization, batch_invariant)
+    kernels = "batch-invariant" if engine.model.batch_invariant else "previous kernels"
+    figures = EngineFigures(mode=f"{dtype}/{quantization}, {kernels}", load_s=time.perf_counter() - started)
     tok = engine.tokenizer
     greedy = lambda n: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
 
