@@ -7,7 +7,7 @@ The pool is sized from a byte budget, preallocated once.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -103,12 +103,15 @@ class KVCacheManager:
         if fmt == "int8" and self.kv.dtype == torch.float32 and self.kv.device.type == "cpu":
             kernels = cpu_kernels.load()
             if kernels is not None:  # gather and quantize in one pass, the same bits as ws.pack
-                l, two, _, heads, dim = self.kv.shape
-                view = self.kv.view(l, two, self.num_blocks, self.block_size * heads * dim)
+                layers, two, _, heads, dim = self.kv.shape
+                view = self.kv.view(layers, two, self.num_blocks, self.block_size * heads * dim)
                 data, scales = kernels.pack_kv_int8(view, torch.tensor(block_ids, dtype=torch.long), dim)
                 n = len(block_ids)
                 return ws.PackedKV(
-                    "int8", data.view(l, two, n, self.block_size, heads, dim), scales.view(l, two, n, self.block_size, heads, 1), self.kv.dtype
+                    "int8",
+                    data.view(layers, two, n, self.block_size, heads, dim),
+                    scales.view(layers, two, n, self.block_size, heads, 1),
+                    self.kv.dtype,
                 )
         return ws.pack(self.read_blocks(block_ids), fmt)
 
@@ -122,8 +125,8 @@ class KVCacheManager:
             view[layer][:, index] = data.to(self.kv.dtype)
 
     def _block_view(self) -> torch.Tensor:
-        l, two, _, heads, dim = self.kv.shape
-        return self.kv.view(l, two, self.num_blocks, self.block_size, heads, dim)
+        layers, two, _, heads, dim = self.kv.shape
+        return self.kv.view(layers, two, self.num_blocks, self.block_size, heads, dim)
 
     # -- allocation ------------------------------------------------------------
 

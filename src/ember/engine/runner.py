@@ -42,7 +42,7 @@ class ModelRunner:
         out = RunnerOutput(num_tokens=int(input_ids.shape[0]))
         if sampled_requests:
             tokens, logprobs = self.sampler(logits, sampled_requests, masks)
-            for request, token, lp in zip(sampled_requests, tokens, logprobs):
+            for request, token, lp in zip(sampled_requests, tokens, logprobs, strict=True):
                 out.sampled[request.request_id] = token
                 if lp is not None:
                     out.logprobs[request.request_id] = lp
@@ -68,9 +68,8 @@ class ModelRunner:
             c = item.request.num_computed_tokens
             lens.extend(range(c + 1, c + item.num_new_tokens + 1))
             rows.extend([len(sched.decodes) + j] * item.num_new_tokens)
-        to = dict(dtype=torch.long, device=self.device)
-        meta.token_context_lens = torch.tensor(lens, **to)
-        meta.token_table_rows = torch.tensor(rows, **to) if sched.prefills else None
+        meta.token_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
+        meta.token_table_rows = torch.tensor(rows, dtype=torch.long, device=self.device) if sched.prefills else None
 
     def _context_slots(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """Slots of the first ``length`` positions of each row's blocks: (rows, length)."""
@@ -129,6 +128,8 @@ class ModelRunner:
                 logit_rows.append(start + n - 1)
                 sampled.append(r)
 
-        to = dict(dtype=torch.long, device=self.device)
-        meta.slot_mapping = torch.tensor(slots, **to)
-        return torch.tensor(ids, **to), torch.tensor(pos, **to), meta, torch.tensor(logit_rows, **to), sampled
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+
+        meta.slot_mapping = longs(slots)
+        return longs(ids), longs(pos), meta, longs(logit_rows), sampled

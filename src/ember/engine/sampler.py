@@ -34,8 +34,7 @@ class Sampler:
         raw = logits
         logits = _restrict(logits, requests, masks)
         fast = all(
-            r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None and not self._masks_stop(r)
-            for r in requests
+            r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None and not self._masks_stop(r) for r in requests
         )
         if fast:
             return logits.argmax(dim=-1).tolist(), [None] * len(requests)
@@ -131,5 +130,5 @@ def _token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     top: list[tuple[int, float]] = []
     if k > 0:
         values, indices = torch.topk(logprobs, k)
-        top = list(zip(indices.tolist(), values.tolist()))
+        top = list(zip(indices.tolist(), values.tolist(), strict=True))
     return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from ember.config import ModelConfig
 from ember.kernels import cpu as cpu_kernels
-from ember.model.quant import make_linear
+from ember.model.quant import DenseLinear, KernelLinear, make_linear
 
 
 @dataclass
@@ -132,7 +132,22 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query attention over the paged KV cache; q/k/v in one fused matmul."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool) -> None:
+    qkv: KernelLinear
+    o: KernelLinear
+    qkv_bias: torch.Tensor | None
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        w: dict[str, torch.Tensor],
+        quantization: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Any,
+        batch_invariant: bool,
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -156,8 +171,17 @@ class Attention(nn.Module):
         if self.kernels is not None:
             # Rotates q and k, writes k and v into the cache: one call.
             q = self.kernels.rope_store(
-                qkv.contiguous(), self.rope_cos, self.rope_sin, meta.positions, meta.slot_mapping, k_cache, v_cache,
-                self.num_heads, self.num_kv_heads, self.head_dim, self.qkv_bias,
+                qkv.contiguous(),
+                self.rope_cos,
+                self.rope_sin,
+                meta.positions,
+                meta.slot_mapping,
+                k_cache,
+                v_cache,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.qkv_bias,
             )
         else:
             q = self._rope_store(qkv, meta, k_cache, v_cache)
@@ -170,7 +194,15 @@ class Attention(nn.Module):
         if nd:
             if self.kernels is not None:
                 self.kernels.paged_attention(
-                    out[:nd], q[:nd], k_cache, v_cache, meta.decode_block_tables, None, meta.decode_context_lens, meta.block_size, self.scale
+                    out[:nd],
+                    q[:nd],
+                    k_cache,
+                    v_cache,
+                    meta.decode_block_tables,
+                    None,
+                    meta.decode_context_lens,
+                    meta.block_size,
+                    self.scale,
                 )
             else:
                 out[:nd] = self._decode(q[:nd], meta, k_cache, v_cache)
@@ -200,7 +232,9 @@ class Attention(nn.Module):
         )  # (B, H, 1, Hd)
         return out.reshape(b, self.q_size)
 
-    def _prefill(self, q: torch.Tensor, seg: PrefillSegment, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def _prefill(
+        self, q: torch.Tensor, seg: PrefillSegment, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
         """Causal attention of a prompt chunk over its whole context, read back from the cache."""
         n = q.shape[0]
         if seg.context_slots is None:  # the chunk is the whole context: plain causal attention
@@ -224,7 +258,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), gate and up in one fused matmul."""
 
-    def __init__(self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool) -> None:
+    gate_up: KernelLinear
+    down: KernelLinear
+
+    def __init__(
+        self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool
+    ) -> None:
         super().__init__()
         self.hidden = w["gate"].shape[0]
         self.kernels = kernels
@@ -245,14 +284,30 @@ class DecoderLayer(nn.Module):
     """Pre-norm block. The residual additions are deferred into the next norm
     (``add_norm``) so that each addition and normalisation is one pass."""
 
-    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool) -> None:
+    attn_norm: RMSNorm
+    attn: Attention
+    ffn_norm: RMSNorm
+    mlp: MLP
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        w: dict[str, torch.Tensor],
+        quantization: str,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Any,
+        batch_invariant: bool,
+    ) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(w["attn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
         self.attn = Attention(config, w, quantization, dtype, device, kernels, batch_invariant)
         self.ffn_norm = RMSNorm(w["ffn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
         self.mlp = MLP(w, quantization, dtype, device, kernels, batch_invariant)
 
-    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
+    ) -> torch.Tensor:
         """Adds ``delta`` (the previous block's output) to the residual ``x`` in
         place and returns this block's MLP output, still to be added."""
         h = self.attn_norm.add_norm(x, delta, self.attn.qkv.input_dtype)
@@ -267,6 +322,11 @@ class LlamaModel(nn.Module):
     ``weights`` uses the names of ``loader.py``; tensors already in the target
     dtype and device are shared, not copied.
     """
+
+    lm_head: KernelLinear
+    norm: RMSNorm
+    rope: torch.Tensor
+    kernels: Any
 
     def __init__(
         self,
@@ -295,8 +355,10 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(embed.to(device=device, dtype=dtype), requires_grad=False)
         # The output layer decides every token: it never goes below 8 bits.
         head_quantization = "int8" if quantization == "int4" else quantization
-        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, head_quantization, dtype, device, kernels, self.batch_invariant)
-        if quantization == "none" and lm_head is None and dtype == self.embed.dtype:
+        self.lm_head = make_linear(
+            embed if lm_head is None else lm_head, None, head_quantization, dtype, device, kernels, self.batch_invariant
+        )
+        if isinstance(self.lm_head, DenseLinear) and lm_head is None and dtype == self.embed.dtype:
             self.lm_head.share_weight(self.embed)  # tied: one copy in memory (unless it runs from lanes)
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
@@ -306,14 +368,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(weights.pop("norm").to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
         self.register_buffer("rope", rope_frequencies(config, max_positions).to(device), persistent=False)
         self.rope_cos, self.rope_sin = self.rope.real.contiguous(), self.rope.imag.contiguous()  # (max_pos, Hd/2) float32
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             layer.attn.rope_cos, layer.attn.rope_sin = self.rope_cos, self.rope_sin
         self._decode_plan = self._build_decode_plan() if kernels is not None else None
+
+    @property
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers``, typed."""
+        return cast(list[DecoderLayer], list(self.layers))
 
     def _build_decode_plan(self) -> list[Any] | None:
         """Each layer's weights as ``decode_layers`` takes them (kernels/cpu_kernels.cpp ``LayerWeights``); None if a linear has no C++ twin."""
         plan = []
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             attn, mlp = layer.attn, layer.mlp
             linears = [attn.qkv.kernel_weights, attn.o.kernel_weights, mlp.gate_up.kernel_weights, mlp.down.kernel_weights]
             if any(w is None for w in linears):
@@ -346,7 +413,14 @@ class LlamaModel(nn.Module):
         x = self.norm.add_norm(x[logits_indices], None, self.lm_head.input_dtype)
         return self.lm_head(x).float()
 
-    def _residual_stream(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], per_layer: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _residual_stream(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        per_layer: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed)  # (T, D), a fresh tensor: updated in place below
         meta.positions = positions
         if self._decode_plan is not None and not meta.prefills and per_layer is None:
@@ -354,22 +428,34 @@ class LlamaModel(nn.Module):
             c = self.config
             unified = meta.token_context_lens is not None
             return self.kernels.decode_layers(
-                x, self._decode_plan, [k for k, _ in kv_caches], [v for _, v in kv_caches], self.rope_cos, self.rope_sin,
-                positions, meta.slot_mapping,
+                x,
+                self._decode_plan,
+                [k for k, _ in kv_caches],
+                [v for _, v in kv_caches],
+                self.rope_cos,
+                self.rope_sin,
+                positions,
+                meta.slot_mapping,
                 meta.block_tables if unified else meta.decode_block_tables,
                 meta.token_context_lens if unified else meta.decode_context_lens,
-                c.num_heads, c.num_kv_heads, c.head_dim, meta.block_size, c.rms_norm_eps,
+                c.num_heads,
+                c.num_kv_heads,
+                c.head_dim,
+                meta.block_size,
+                c.rms_norm_eps,
             )
         if self.kernels is None:
             meta.rope_freqs = self.rope[positions].unsqueeze(1)  # (T, 1, Hd/2)
         delta = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             delta = layer(x, delta, meta, k_cache, v_cache)
             if per_layer is not None:
                 per_layer.append((x + delta).float())
         return x + delta if delta is not None else x
 
-    def layer_outputs(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    def layer_outputs(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> list[torch.Tensor]:
         """Hidden state after every layer (for quantization error tests)."""
         outs: list[torch.Tensor] = []
         with torch.inference_mode():

@@ -30,7 +30,6 @@ same one the fused decode loop uses.
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -51,9 +50,9 @@ def make_linear(
     quantization: str,
     dtype: torch.dtype,
     device: torch.device,
-    kernels: ModuleType | None = None,
+    kernels: Any = None,
     batch_invariant: bool = True,
-) -> nn.Module:
+) -> KernelLinear:
     """A linear layer for ``weight`` (out, in) in the engine's numerics.
 
     ``kernels`` is the compiled CPU module (None: torch ops); ``batch_invariant``
@@ -74,12 +73,10 @@ def make_linear(
 _EMPTY = torch.empty(0)
 
 
-def _kernel_weights(kernels: ModuleType, kind: str, weight: torch.Tensor, input_dtype: torch.dtype, **parts: torch.Tensor | None) -> Any:
+def _kernel_weights(kernels: Any, kind: str, weight: torch.Tensor, input_dtype: torch.dtype, **parts: torch.Tensor | None) -> Any:
     """A ``LinearWeights`` for the kernels: absent parts become empty tensors."""
     given = {name: _EMPTY if parts.get(name) is None else parts[name] for name in ("scale", "dense", "packed", "bias")}
-    return kernels.LinearWeights(
-        kind=getattr(kernels.LinearKind, kind), weight=weight, input_bf16=input_dtype == torch.bfloat16, **given
-    )
+    return kernels.LinearWeights(kind=getattr(kernels.LinearKind, kind), weight=weight, input_bf16=input_dtype == torch.bfloat16, **given)
 
 
 def pack_lanes(weight: torch.Tensor, pair: bool) -> torch.Tensor:
@@ -94,17 +91,37 @@ def pack_lanes(weight: torch.Tensor, pair: bool) -> torch.Tensor:
     return weight.reshape(n // LANES, LANES, k).permute(0, 2, 1).contiguous()
 
 
-class DenseLinear(nn.Module):
+class KernelLinear(nn.Module):
+    """What the model needs of any linear layer.
+
+    ``input_dtype``: the dtype its producer should emit (no cast needed);
+    ``kernel_weights``: a kernels ``LinearWeights`` when the compiled kernels
+    run it (the fused decode loop needs one per linear), else None.
+    """
+
+    input_dtype: torch.dtype
+    kernel_weights: Any
+    kernels: Any
+
+
+class DenseLinear(KernelLinear):
     """``y = x W^T + b`` in ``dtype``; with ``lanes``, only a float32 lane copy of ``W`` is kept (batch-invariant)."""
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: ModuleType | None, lanes: bool
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Any,
+        lanes: bool,
     ) -> None:
         super().__init__()
         dense = weight.to(device=device, dtype=dtype).contiguous()
         self.weight: nn.Parameter | None = None if lanes else nn.Parameter(dense, requires_grad=False)
+        self.lanes: torch.Tensor | None
         self.register_buffer("lanes", pack_lanes(dense, pair=False) if lanes else None)
-        self.bias = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
+        self.bias: nn.Parameter | None = None if bias is None else nn.Parameter(bias.to(device=device, dtype=dtype), requires_grad=False)
         self.input_dtype = dtype
         self.kernels = kernels
         self.kernel_weights = self._build_kernel_weights()
@@ -153,7 +170,7 @@ def pack_bf16_for_kernels(dense: torch.Tensor) -> torch.Tensor:
     return dense.reshape(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(KernelLinear):
     """Weight-only int8 with per-output-channel scales; see the module docstring.
 
     With the kernels and ``lanes``: the int8 weights in lanes, nothing else
@@ -165,8 +182,21 @@ class Int8Linear(nn.Module):
     which dtype to emit so no cast is needed.
     """
 
+    qweight: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor | None
+    dense: torch.Tensor | None
+    scale_compute: torch.Tensor | None
+    packed: torch.Tensor | None
+
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: ModuleType | None, lanes: bool
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        device: torch.device,
+        kernels: Any,
+        lanes: bool,
     ) -> None:
         super().__init__()
         q, scale = quantize_per_channel_int8(weight)
@@ -182,7 +212,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale_compute", None if lanes else scale.to(device=device, dtype=self.compute_dtype))
         out_f, in_f = weight.shape
         packable = not lanes and self.kernels is not None and int(self.kernels.packed_max_rows) > 0 and out_f % 16 == 0 and in_f % 2 == 0
-        self.register_buffer("packed", pack_bf16_for_kernels(self.dense) if packable else None)
+        self.register_buffer("packed", pack_bf16_for_kernels(self.dense) if packable and self.dense is not None else None)
         self.kernel_weights: Any = None
         if self.kernels is not None:
             kind = "INT8_LANES" if lanes else "INT8_ROWS"
@@ -193,6 +223,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weights is not None:
             return self.kernels.linear(x, self.kernel_weights)
+        assert self.dense is not None and self.scale_compute is not None  # lanes exist only with the kernels
         if self.direct and x.shape[0] <= INT8_DIRECT_MAX_ROWS:
             y = torch._weight_int8pack_mm(x.to(self.compute_dtype), self.qweight, self.scale_compute)
         else:
@@ -216,11 +247,16 @@ def quantize_groups_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple
     return q, scale.t().contiguous(), zero.t().contiguous()
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(KernelLinear):
     """Weight-only 4-bit groups (torch's int4pack GEMV on CPU) for the memory-bound
     decode rows, a dense bfloat16 copy of the same values for many rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: ModuleType | None) -> None:
+    packed: torch.Tensor
+    scale_zero: torch.Tensor
+    dense: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: Any) -> None:
         super().__init__()
         if device.type != "cpu" or weight.shape[1] % INT4_GROUP:
             raise ValueError("quantization='int4' needs a CPU and input sizes divisible by 32")
@@ -259,7 +295,7 @@ def _cpu_has_vnni() -> bool:
     return "avx512_vnni" in flags or "avx_vnni" in flags
 
 
-class DynamicInt8Linear(nn.Module):
+class DynamicInt8Linear(KernelLinear):
     """int8 weights and per-call dynamically quantized int8 activations (fbgemm, CPU only)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
