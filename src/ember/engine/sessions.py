@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 from ember.config import SessionConfig
 from ember.engine import warm_storage as ws
@@ -25,13 +24,14 @@ from ember.engine.heap_trim import HeapTrimmer
 from ember.engine.kv_cache import KVCacheManager
 from ember.engine.request import Request
 from ember.engine.session_ids import SessionIds
+from ember.engine.session_reports import SessionReports
 from ember.engine.session_restore import PrefixRestorer, SessionData
 from ember.engine.session_storage import Restored, SessionStorage, WriteJob, Written
 from ember.engine.tier_policy import Action, Event, Tier, TierPolicy
 
 
-class SessionManager:
-    """The session table; see the module docstring."""
+class SessionManager(SessionReports):
+    """The session table; see the module docstring (what it reports: ``SessionReports``)."""
 
     def __init__(
         self,
@@ -247,31 +247,3 @@ class SessionManager:
     def close(self) -> None:
         """Stop the storage thread after the jobs already queued (call after ``persist_all``)."""
         self.storage.close()
-
-    def info(self, key: str) -> dict[str, Any] | None:
-        """What ``GET /v1/sessions/{id}`` shows of a session."""
-        record, data = self.policy.records.get(key), self.data.get(key)
-        if record is None or data is None:
-            return None
-        ttl = self.config.hot_ttl_s if record.tier == Tier.HOT else self.config.warm_ttl_s
-        now = self.clock()
-        size = len(data.hot_blocks) * self.kv.bytes_per_block if record.tier == Tier.HOT else record.ram_bytes or record.disk_bytes
-        return {
-            "id": key,
-            "tier": "warm" if record.tier == Tier.DISK else record.tier.value,
-            "location": {Tier.HOT: "pool", Tier.WARM: "ram", Tier.DISK: "disk"}[record.tier],
-            "tokens": len(data.token_ids),
-            "cached_tokens": len(data.block_hashes) * self.kv.block_size,
-            "bytes": size,
-            "last_used_s_ago": round(now - record.last_used, 3),
-            "on_disk": record.has_current_file,  # a copy of exactly this state is on disk
-            "expires_in_s": round(record.last_used + ttl - now, 3),
-        }
-
-    def list_sessions(self, prefix: str = "") -> list[dict[str, Any]]:
-        """Most recently used first."""
-        return [info for key in reversed(self.policy.records) if key.startswith(prefix) and (info := self.info(key)) is not None]
-
-    def tier_bytes(self) -> dict[str, int]:
-        hot = sum(len(d.hot_blocks) for d in self.data.values()) * self.kv.bytes_per_block
-        return {Tier.HOT.value: hot, Tier.WARM.value: self.policy.ram_bytes, Tier.DISK.value: self.policy.disk_bytes}
