@@ -178,13 +178,22 @@ def test_int8_warm_state_agreement_is_reported(loaded_model):
     assert packed is not None and packed.format == "int8"
     outs, _ = turn(engine, "q", second_turn_messages(reply), "second", max_tokens=32)
     assert outs[-1].cache_tier == "warm"
+    session_tokens = engine.sessions.data["q"].token_ids
+    prompt = session_tokens[: len(session_tokens) - len(final_tokens(outs))]
     reference = make(loaded_model, FakeClock())
-    reference.add_request("ref", engine.tokenizer.encode_chat(second_turn_messages(reply)), greedy(32, ignore_eos=True))
-    a, b = final_tokens(outs), final_tokens(run_all(reference)["ref"])
-    agree = sum(x == y for x, y in zip(a, b)) / len(b)
-    prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-    print(f"\nint8 warm state vs exact: {agree:.0%} of 32 greedy tokens equal, identical prefix {prefix} tokens")
-    assert agree >= 0.5
+    reference.add_request("ref", prompt, greedy(32, ignore_eos=True))
+    want = final_tokens(run_all(reference)["ref"])
+    # Teacher-forced: at each position, the next token over the int8-restored
+    # history (reused from the pool's prefix cache) given the exact tokens so far.
+    agree = 0
+    for j, expected in enumerate(want):
+        engine.add_request(f"tf{j}", prompt + want[:j], greedy(1))
+        out = run_all(engine)[f"tf{j}"]
+        assert out[-1].num_cached_tokens >= len(prompt) - 2 * engine.kv.block_size, "the restored history was not reused"
+        agree += final_tokens(out) == [expected]
+    rate = agree / len(want)
+    print(f"\nint8 warm state vs exact: teacher-forced top-1 agreement {rate:.1%} over {len(want)} positions")
+    assert rate >= 0.9, "the int8 warm format lost more than measured (100 % of 32 on 2026-12-03)"
 
 
 @pytest.mark.timeout(300)
