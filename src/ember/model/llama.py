@@ -13,7 +13,7 @@ sequences, ``L`` padded context length.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from ember.config import ModelConfig
 from ember.kernels import cpu as cpu_kernels
-from ember.model.quant import DenseLinear, KernelLinear, make_linear
+from ember.model.quant import DenseLinear, KernelLinear, Numerics, make_linear
 
 
 @dataclass
@@ -138,28 +138,20 @@ class Attention(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        w: dict[str, torch.Tensor],
-        quantization: str,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Any,
-        batch_invariant: bool,
-    ) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], numerics: Numerics) -> None:
         super().__init__()
+        dtype, device, kernels = numerics.dtype, numerics.device, numerics.kernels
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self.kernels = kernels
-        self.qkv = make_linear(torch.cat([w["q"], w["k"], w["v"]]), None, quantization, dtype, device, kernels, batch_invariant)
+        self.qkv = make_linear(torch.cat([w["q"], w["k"], w["v"]]), None, numerics)
         # Kept apart from the matmul: the fused rotary kernel adds it on the fly.
         bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
         self.register_buffer("qkv_bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
-        self.o = make_linear(w["o"], w.get("o_bias"), quantization, dtype, device, kernels, batch_invariant)
+        self.o = make_linear(w["o"], w.get("o_bias"), numerics)
         # Measured: torch's CPU flash attention is slower in bfloat16 (398 ms for a
         # 1,000-token prompt) than in float32 (338 ms), so prompts attend in the model dtype.
         self.prefill_attention_dtype = dtype
@@ -261,14 +253,12 @@ class MLP(nn.Module):
     gate_up: KernelLinear
     down: KernelLinear
 
-    def __init__(
-        self, w: dict[str, torch.Tensor], quantization: str, dtype: torch.dtype, device: torch.device, kernels: Any, batch_invariant: bool
-    ) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], numerics: Numerics) -> None:
         super().__init__()
         self.hidden = w["gate"].shape[0]
-        self.kernels = kernels
-        self.gate_up = make_linear(torch.cat([w["gate"], w["up"]]), None, quantization, dtype, device, kernels, batch_invariant)
-        self.down = make_linear(w["down"], None, quantization, dtype, device, kernels, batch_invariant)
+        self.kernels = numerics.kernels
+        self.gate_up = make_linear(torch.cat([w["gate"], w["up"]]), None, numerics)
+        self.down = make_linear(w["down"], None, numerics)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)  # (T, 2F)
@@ -289,21 +279,13 @@ class DecoderLayer(nn.Module):
     ffn_norm: RMSNorm
     mlp: MLP
 
-    def __init__(
-        self,
-        config: ModelConfig,
-        w: dict[str, torch.Tensor],
-        quantization: str,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Any,
-        batch_invariant: bool,
-    ) -> None:
+    def __init__(self, config: ModelConfig, w: dict[str, torch.Tensor], numerics: Numerics) -> None:
         super().__init__()
+        dtype, device, kernels = numerics.dtype, numerics.device, numerics.kernels
         self.attn_norm = RMSNorm(w["attn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
-        self.attn = Attention(config, w, quantization, dtype, device, kernels, batch_invariant)
+        self.attn = Attention(config, w, numerics)
         self.ffn_norm = RMSNorm(w["ffn_norm"].to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
-        self.mlp = MLP(w, quantization, dtype, device, kernels, batch_invariant)
+        self.mlp = MLP(w, numerics)
 
     def forward(
         self, x: torch.Tensor, delta: torch.Tensor | None, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -355,16 +337,15 @@ class LlamaModel(nn.Module):
         self.embed = nn.Parameter(embed.to(device=device, dtype=dtype), requires_grad=False)
         # The output layer decides every token: it never goes below 8 bits.
         head_quantization = "int8" if quantization == "int4" else quantization
-        self.lm_head = make_linear(
-            embed if lm_head is None else lm_head, None, head_quantization, dtype, device, kernels, self.batch_invariant
-        )
+        numerics = Numerics(quantization, dtype, device, kernels, self.batch_invariant)
+        self.lm_head = make_linear(embed if lm_head is None else lm_head, None, replace(numerics, quantization=head_quantization))
         if isinstance(self.lm_head, DenseLinear) and lm_head is None and dtype == self.embed.dtype:
             self.lm_head.share_weight(self.embed)  # tied: one copy in memory (unless it runs from lanes)
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
             prefix = f"layers.{i}."
             layer_w = {k[len(prefix) :]: weights.pop(k) for k in [k for k in weights if k.startswith(prefix)]}
-            self.layers.append(DecoderLayer(config, layer_w, quantization, dtype, device, kernels, self.batch_invariant))
+            self.layers.append(DecoderLayer(config, layer_w, numerics))
         self.norm = RMSNorm(weights.pop("norm").to(device=device, dtype=dtype), config.rms_norm_eps, kernels)
         self.register_buffer("rope", rope_frequencies(config, max_positions).to(device), persistent=False)
         self.rope_cos, self.rope_sin = self.rope.real.contiguous(), self.rope.imag.contiguous()  # (max_pos, Hd/2) float32

@@ -30,6 +30,7 @@ same one the fused decode loop uses.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,30 +45,34 @@ QUANTIZATIONS = ("none", "int8", "int4", "w8a8")
 INT4_GROUP = 32
 
 
-def make_linear(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    quantization: str,
-    dtype: torch.dtype,
-    device: torch.device,
-    kernels: Any = None,
-    batch_invariant: bool = True,
-) -> KernelLinear:
-    """A linear layer for ``weight`` (out, in) in the engine's numerics.
+@dataclass(frozen=True)
+class Numerics:
+    """How a model's linear layers are built: one value handed down instead of five arguments.
 
     ``kernels`` is the compiled CPU module (None: torch ops); ``batch_invariant``
     picks the kernels' lane layouts, whose results do not depend on the rows in a call.
     """
-    lanes = kernels is not None and batch_invariant and weight.shape[0] % LANES == 0 and weight.shape[1] % 2 == 0
-    if quantization == "int8":
-        return Int8Linear(weight, bias, dtype, device, kernels, lanes)
-    if quantization == "w8a8":
-        return DynamicInt8Linear(weight, bias, dtype, device)
-    if quantization == "int4":
-        return Int4Linear(weight, bias, dtype, device, kernels)
-    if quantization != "none":
-        raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
-    return DenseLinear(weight, bias, dtype, device, kernels, lanes and dtype == torch.float32)
+
+    quantization: str
+    dtype: torch.dtype
+    device: torch.device
+    kernels: Any = None
+    batch_invariant: bool = True
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics) -> KernelLinear:
+    """A linear layer for ``weight`` (out, in) in the engine's numerics."""
+    n = numerics
+    lanes = n.kernels is not None and n.batch_invariant and weight.shape[0] % LANES == 0 and weight.shape[1] % 2 == 0
+    if n.quantization == "int8":
+        return Int8Linear(weight, bias, n, lanes)
+    if n.quantization == "w8a8":
+        return DynamicInt8Linear(weight, bias, n)
+    if n.quantization == "int4":
+        return Int4Linear(weight, bias, n)
+    if n.quantization != "none":
+        raise ValueError(f"unknown quantization {n.quantization!r}; expected one of {QUANTIZATIONS}")
+    return DenseLinear(weight, bias, n, lanes and n.dtype == torch.float32)
 
 
 _EMPTY = torch.empty(0)
@@ -107,16 +112,9 @@ class KernelLinear(nn.Module):
 class DenseLinear(KernelLinear):
     """``y = x W^T + b`` in ``dtype``; with ``lanes``, only a float32 lane copy of ``W`` is kept (batch-invariant)."""
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Any,
-        lanes: bool,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics, lanes: bool) -> None:
         super().__init__()
+        dtype, device, kernels = numerics.dtype, numerics.device, numerics.kernels
         dense = weight.to(device=device, dtype=dtype).contiguous()
         self.weight: nn.Parameter | None = None if lanes else nn.Parameter(dense, requires_grad=False)
         self.lanes: torch.Tensor | None
@@ -189,16 +187,9 @@ class Int8Linear(KernelLinear):
     scale_compute: torch.Tensor | None
     packed: torch.Tensor | None
 
-    def __init__(
-        self,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        dtype: torch.dtype,
-        device: torch.device,
-        kernels: Any,
-        lanes: bool,
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics, lanes: bool) -> None:
         super().__init__()
+        dtype, device, kernels = numerics.dtype, numerics.device, numerics.kernels
         q, scale = quantize_per_channel_int8(weight)
         self.kernels = kernels if device.type == "cpu" else None
         self.direct = device.type == "cpu"
@@ -256,8 +247,9 @@ class Int4Linear(KernelLinear):
     dense: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device, kernels: Any) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics) -> None:
         super().__init__()
+        device, kernels = numerics.device, numerics.kernels
         if device.type != "cpu" or weight.shape[1] % INT4_GROUP:
             raise ValueError("quantization='int4' needs a CPU and input sizes divisible by 32")
         q, scale, zero = quantize_groups_int4(weight)
@@ -298,8 +290,9 @@ def _cpu_has_vnni() -> bool:
 class DynamicInt8Linear(KernelLinear):
     """int8 weights and per-call dynamically quantized int8 activations (fbgemm, CPU only)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, numerics: Numerics) -> None:
         super().__init__()
+        dtype, device = numerics.dtype, numerics.device
         if device.type != "cpu" or "fbgemm" not in torch.backends.quantized.supported_engines:
             raise ValueError("quantization='w8a8' needs a CPU with fbgemm; use 'int8' elsewhere")
         q, scale = quantize_per_channel_int8(weight)
