@@ -22,7 +22,7 @@ from torch.nn import functional as F
 
 from ember.config import ModelConfig
 from ember.kernels import cpu as cpu_kernels
-from ember.model.quant import DenseLinear, KernelLinear, Numerics, make_linear
+from ember.model.quant import DenseLinear, Int8Linear, KernelLinear, Numerics, make_linear
 
 
 @dataclass
@@ -334,12 +334,17 @@ class LlamaModel(nn.Module):
         weights = dict(weights)  # the caller's dict stays intact (tests build several models)
         embed = weights.pop("embed")
         lm_head = weights.pop("lm_head", None)
-        self.embed = nn.Parameter(embed.to(device=device, dtype=dtype), requires_grad=False)
         # The output layer decides every token: it never goes below 8 bits.
         head_quantization = "int8" if quantization == "int4" else quantization
         numerics = Numerics(quantization, dtype, device, kernels, self.batch_invariant)
         self.lm_head = make_linear(embed if lm_head is None else lm_head, None, replace(numerics, quantization=head_quantization))
-        if isinstance(self.lm_head, DenseLinear) and lm_head is None and dtype == self.embed.dtype:
+        # Tied and batch-invariant int8: tokens are looked up in the LM head's
+        # int8 rows (113 MB of float32 table saved on SmolLM2-135M).
+        self.embed_from_head = lm_head is None and isinstance(self.lm_head, Int8Linear) and self.lm_head.has_lanes
+        self.embed: nn.Parameter | None = None
+        if not self.embed_from_head:
+            self.embed = nn.Parameter(embed.to(device=device, dtype=dtype), requires_grad=False)
+        if isinstance(self.lm_head, DenseLinear) and lm_head is None and self.embed is not None and dtype == self.embed.dtype:
             self.lm_head.share_weight(self.embed)  # tied: one copy in memory (unless it runs from lanes)
         self.layers = nn.ModuleList()
         for i in range(config.num_layers):
@@ -402,7 +407,8 @@ class LlamaModel(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         per_layer: list[torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed)  # (T, D), a fresh tensor: updated in place below
+        # (T, D), a fresh tensor: updated in place below
+        x = cast(Int8Linear, self.lm_head).rows(input_ids).to(self.dtype) if self.embed is None else F.embedding(input_ids, self.embed)
         meta.positions = positions
         if self._decode_plan is not None and not meta.prefills and per_layer is None:
             # Decode-only step: the whole stack in one compiled call, no Python per layer.

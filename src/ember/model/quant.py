@@ -211,6 +211,23 @@ class Int8Linear(KernelLinear):
                 self.kernels, kind, self.qweight, self.input_dtype, scale=self.scale, dense=self.dense, packed=self.packed, bias=self.bias
             )
 
+    @property
+    def has_lanes(self) -> bool:
+        return self.dense is None
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` (outputs), dequantized to float32: (len(ids), in).
+
+        A tied embedding table is the LM head's weight: looking tokens up here
+        keeps one int8 copy of it instead of a float32 table beside it.
+        """
+        if self.has_lanes:
+            blocks, pairs = self.qweight.shape[0], self.qweight.shape[1]
+            q = self.qweight.view(blocks, pairs, LANES, 2)[ids // LANES, :, ids % LANES, :].reshape(len(ids), 2 * pairs)
+        else:
+            q = self.qweight[ids]
+        return q.float() * self.scale[ids, None]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_weights is not None:
             return self.kernels.linear(x, self.kernel_weights)
