@@ -51,7 +51,15 @@ class Sampler:
             self._apply_penalties(row, request)
             if self._masks_stop(request):
                 row[list(request.stop_token_ids)] = float("-inf")
-            token = int(row.argmax()) if request.params.greedy else self._sample(row, request)
+        # Rows without top-k share one softmax and one candidate selection (batched tensor work).
+        batched = [i for i, r in enumerate(requests) if not r.params.greedy and not 0 < r.params.top_k < logits.shape[1]]
+        drawn = dict(zip(batched, _sample_batch(logits[batched], [requests[i] for i in batched]), strict=True)) if batched else {}
+        for i, request in enumerate(requests):
+            row = logits[i]
+            if i in drawn:
+                token = drawn[i]
+            else:
+                token = int(row.argmax()) if request.params.greedy else self._sample(row, request)
             tokens.append(token)
             if raw_logprobs is not None and request.params.logprobs is not None:
                 logprobs.append(_token_logprob(raw_logprobs[i], token, request.params.logprobs))
@@ -94,6 +102,37 @@ class Sampler:
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
         return int(torch.multinomial(probs, 1, generator=request.generator))
+
+
+def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
+    """One draw per row of ``logits`` (N, V) at each request's temperature, top_p and min_p (no top_k).
+
+    The softmax and the candidate selection run over all rows at once; each
+    row then draws from its own generator over its kept candidates, so a
+    seeded row's token depends only on its logits and its generator.
+    """
+    temperatures = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=logits.device)
+    scaled = torch.nan_to_num(logits / temperatures[:, None], nan=-3.0e38, posinf=3.0e38, neginf=-3.0e38)
+    probs = torch.softmax(scaled, dim=-1)
+    k = min(_TOP_P_CANDIDATES, probs.shape[1])
+    top_values, top_indices = torch.topk(probs, k) if any(r.params.top_p < 1.0 for r in requests) else (None, None)
+    tokens = []
+    for i, request in enumerate(requests):
+        p = request.params
+        values, indices = probs[i], None
+        if p.top_p < 1.0:
+            assert top_values is not None and top_indices is not None
+            if float(top_values[i].sum()) >= p.top_p:
+                values, indices = top_values[i], top_indices[i]
+            else:  # the candidates hold too little mass: the whole vocabulary
+                values, indices = torch.sort(probs[i], descending=True)
+            keep = (torch.cumsum(values, dim=0) - values) < p.top_p  # the first token always stays
+            values = values * keep
+        if p.min_p > 0.0:
+            values = values.masked_fill(values < p.min_p * values.max(), 0.0)
+        choice = int(torch.multinomial(values, 1, generator=request.generator))
+        tokens.append(choice if indices is None else int(indices[choice]))
+    return tokens
 
 
 def _restrict(logits: torch.Tensor, requests: list[Request], masks: TokenMasks | None) -> torch.Tensor:
