@@ -131,7 +131,13 @@ def test_auto_lets_the_model_choose_and_calls_validate(server, client):
                 logit_bias=bias, extra_body=SLOW_OK,
             )
             choice = choice_of(r)
-            if choice.message.tool_calls:
+            if choice.message.tool_calls and choice.finish_reason == "length":
+                # The call ran into max_tokens (a small model may ramble inside the
+                # arguments): the calls before the cut one must still validate.
+                called += 1
+                for call in choice.message.tool_calls[:-1]:
+                    ARGS[call.function.name].model_validate_json(call.function.arguments)
+            elif choice.message.tool_calls:
                 called += 1
                 assert choice.finish_reason == "tool_calls"
                 check_calls(choice.message, set(ARGS))
