@@ -9,8 +9,10 @@ thread-safe: ``AsyncEngine`` calls it from its own thread only.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import ParamSpec, TypeVar
 
 import torch
 
@@ -33,6 +35,29 @@ from ember.model.loader import LoadedModel, load_model
 from ember.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _held_weakly(method: Callable[P, R]) -> Callable[P, R]:
+    """``method`` as a callback that does not keep its object alive.
+
+    Invariant: no part the engine owns holds a strong reference back to the
+    engine or to a part that owns it (the KV manager's pressure callback into
+    the sessions, which hold the KV manager). A cycle would keep the KV pool (hundreds of MB) alive after the
+    last user reference is dropped until Python's cyclic collector happens to
+    run, and tensor memory never triggers it: a test suite or a notebook that
+    builds engines one after another ran out of memory that way.
+    """
+    ref, name = weakref.WeakMethod(method), method.__qualname__  # never `method` itself: it holds the object
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError(f"{name}: its object was dropped")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 class LLMEngine:
@@ -77,14 +102,16 @@ class LLMEngine:
             batch_invariant=config.batch_invariant,
         )
         self.kv = KVCacheManager(loaded.config, config, self.dtype, self.device)
-        self.scheduler = Scheduler(config, self.kv, self._lookup_prefix)
+        self.scheduler = Scheduler(config, self.kv, _held_weakly(self._lookup_prefix))
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.detokenizer = Detokenizer(self.tokenizer.hf)
         self.sessions: SessionManager | None = None
         if sessions is not None and sessions.enabled and config.enable_prefix_caching:
-            decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-            self.sessions = SessionManager(sessions, self.kv, self.fingerprint, decode, clock, busy=lambda: bool(self.scheduler.running))
-            self.kv.on_pressure = self.sessions.relieve_pressure
+            # The callbacks hold the tokenizer and scheduler, not the engine (see _held_weakly).
+            tokenizer, scheduler = self.tokenizer, self.scheduler
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+            self.sessions = SessionManager(sessions, self.kv, self.fingerprint, decode, clock, busy=lambda: bool(scheduler.running))
+            self.kv.on_pressure = _held_weakly(self.sessions.relieve_pressure)
         # Requests waiting for their conversation's KV to be read from disk (not yet schedulable).
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
