@@ -35,6 +35,11 @@ EXPERIMENTS: list[Experiment] = [
         "the engine alone, in process: decode tokens/s with a JSON-schema constraint vs without (1 and 16 streams)",
         "structured_bench",
     ),
+    Experiment(
+        "speculation",
+        "starts servers: speculative decoding on vs off (prompt lookup and prediction), through HTTP and in process",
+        "speculation_bench",
+    ),
     Experiment("front-door", "starts a server: decode, TTFT, 16 streams, prefill and multi-turn through HTTP vs in process", "front_door"),
     Experiment(
         "restore-stall",

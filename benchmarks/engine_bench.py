@@ -13,6 +13,9 @@ Figures (issue "Inference engine"):
 * the step loop's own overhead: wall time of ``step()`` minus the model's
   forward and sampling, per step.
 
+Speculative decoding is off here (one token per step, kernels against
+kernels); ``python -m benchmarks speculation`` measures it on and off.
+
 The same run measures transformers' ``generate`` (float32) on the same GGUF as a
 live reference, and llama.cpp through ``llama_cpp`` when that package is
 installed. The figures the issue quotes for vLLM and llama.cpp on this machine
@@ -100,8 +103,15 @@ def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invar
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
 
+    # Speculation off: these figures compare kernels and arithmetic, one token per step
+    # (the previous kernels cannot speculate); `python -m benchmarks speculation` measures it.
     config = EngineConfig(
-        dtype=dtype, quantization=quantization, threads=args.threads, enable_prefix_caching=False, batch_invariant=batch_invariant
+        dtype=dtype,
+        quantization=quantization,
+        threads=args.threads,
+        enable_prefix_caching=False,
+        batch_invariant=batch_invariant,
+        num_speculative_tokens=0,
     )
     if args.chunk:
         config = EngineConfig(**{**asdict(config), "max_num_batched_tokens": args.chunk})

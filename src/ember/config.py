@@ -74,6 +74,14 @@ class EngineConfig:
     # prompt was chunked or cached (README, "Same seed, same answer"). Needs the
     # compiled CPU kernels; False takes the previous, per-shape fastest kernels.
     batch_invariant: bool = True
+    # Speculative decoding (engine/speculation.py): at most this many tokens
+    # guessed per step from the request's own text or its ``prediction`` and
+    # verified in the same forward pass; 0 turns it off. Exact (never changes a
+    # token), so it needs the batch-invariant kernels and is off without them.
+    num_speculative_tokens: int = 8
+    # The n-gram lengths a prompt-lookup draft is matched on, longest first.
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
     seed: int = 0
 
 

@@ -20,7 +20,6 @@ pytestmark = pytest.mark.timeout(300)
 SAMPLE_VALUES = {
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
-    "prediction": {"type": "content", "content": "Paris"},
     "web_search_options": {},
     "functions": [{"name": "f", "parameters": {"type": "object"}}],
     "function_call": "auto",
@@ -80,5 +79,5 @@ def test_the_openai_client_gets_the_400(server):
 
     client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model="ember", messages=[{"role": "user", "content": "hi"}], prediction={"type": "content", "content": "x"})
-    assert info.value.body["param"] == "prediction"
+        client.chat.completions.create(model="ember", messages=[{"role": "user", "content": "hi"}], audio={"voice": "alloy", "format": "wav"})
+    assert info.value.body["param"] == "audio"

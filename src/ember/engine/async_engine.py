@@ -55,6 +55,7 @@ class _AddCommand:
     session_id: str | None
     arrival_time: float
     constraint: Constraint | None = None
+    prediction: list[int] | None = None
 
 
 @dataclass
@@ -218,11 +219,13 @@ class AsyncEngine:
         deadline: float | None = None,
         session_id: str | None = None,
         constraint: Constraint | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its incremental outputs until it finishes.
 
         ``constraint`` (from ``engine.grammar.compile``) is a grammar the output
-        must follow; it belongs to this request alone.
+        must follow; it belongs to this request alone. ``prediction``: token ids
+        the answer is expected to repeat (``LLMEngine.add_request``).
 
         Validation errors (``ContextLengthExceededError``...) are raised before
         the first output. Leaving the iterator early (a disconnected client, a
@@ -234,7 +237,19 @@ class AsyncEngine:
         self.check_prompt(prompt, params)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._post(_AddCommand(request_id, prompt, params, int(priority), deadline, session_id, self.clock(), constraint))
+        self._post(
+            _AddCommand(
+                request_id,
+                prompt,
+                params,
+                int(priority),
+                deadline,
+                session_id,
+                self.clock(),
+                constraint,
+                list(prediction) if prediction else None,
+            )
+        )
         finished = False
         try:
             while True:
@@ -371,6 +386,7 @@ class AsyncEngine:
                         session_id=command.session_id,
                         arrival_time=command.arrival_time,
                         constraint=command.constraint,
+                        prediction=command.prediction,
                     )
                 except Exception as exc:  # validation raced with a config change, duplicate id...
                     self._deliver_error(command.request_id, exc)

@@ -27,6 +27,7 @@ from ember.engine.runner import ModelRunner
 from ember.engine.sampling import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sessions import SessionManager
+from ember.engine.speculation import RequestSpeculation, share_draft_rows
 from ember.engine.stats import EngineCounters, EngineInfo, EngineSnapshot
 from ember.errors import ContextLengthExceededError, EmberError, InvalidSamplingParamsError
 from ember.kernels import cpu as cpu_kernels
@@ -118,6 +119,8 @@ class LLMEngine:
         self.stats = EngineCounters()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._grammar: GrammarCompiler | None = None
+        # Drafts are verified exactly only where a row's logits do not depend on its neighbours.
+        self.num_speculative_tokens = config.num_speculative_tokens if self.model.batch_invariant else 0
 
     @property
     def grammar(self) -> GrammarCompiler:
@@ -143,8 +146,14 @@ class LLMEngine:
         session_id: str | None = None,
         arrival_time: float | None = None,
         constraint: Constraint | None = None,
+        prediction: Sequence[int] | None = None,
     ) -> Request:
-        """Queue a request (``constraint``: a grammar its output must follow). Raises ``ContextLengthExceededError`` or ``InvalidSamplingParamsError``."""
+        """Queue a request. Raises ``ContextLengthExceededError`` or ``InvalidSamplingParamsError``.
+
+        ``constraint``: a grammar its output must follow. ``prediction``: token
+        ids the answer is expected to repeat (OpenAI's Predicted Outputs), the
+        first place drafts are taken from; it never changes the answer.
+        """
         if request_id in self.requests:
             raise EmberError(f"request id {request_id!r} is already running")
         prompt = list(prompt_token_ids)
@@ -162,6 +171,11 @@ class LLMEngine:
             constraint=constraint,
         )
         request.detok = self.detokenizer.start(len(prompt))
+        c = self.config
+        # A grammar's masks are per position: a constrained request is not drafted (its prediction goes unused).
+        draft_tokens = self.num_speculative_tokens if constraint is None else 0
+        if draft_tokens > 0 or prediction:
+            request.speculation = RequestSpeculation(draft_tokens, c.prompt_lookup_min, c.prompt_lookup_max, prediction)
         self.requests[request_id] = request
         if self.sessions is not None and self.sessions.restorer.begin_restore(request):
             self.loading[request_id] = request  # scheduled once the storage thread has copied its warm KV back
@@ -236,6 +250,7 @@ class LLMEngine:
                     self.kv.pool.release(pins.blocks)  # its request ended while the copy ran
         for request in [r for r in self.requests.values() if r.deadline is not None and now >= r.deadline]:
             outputs.append(self._finish(request, FinishReason.TIMEOUT, "timeout", ""))
+        self._propose_drafts()
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
@@ -258,6 +273,51 @@ class LLMEngine:
         for request_id, token in result.sampled.items():
             request = self.requests[request_id]
             outputs.append(self._append_token(request, token, result.logprobs.get(request_id), now))
+        for request_id, logits in result.verify.items():
+            outputs.extend(self._accept_draft(self.requests[request_id], logits, now))
+        return outputs
+
+    def _propose_drafts(self) -> None:
+        """Give each speculating decode its draft for this step (engine/speculation.py)."""
+        if self.num_speculative_tokens <= 0:
+            return
+        decodes = [r for r in self.scheduler.running if r.num_tokens - r.num_computed_tokens == 1]
+        for request in self.scheduler.running:
+            request.draft = None
+        drafting = [(r, r.speculation) for r in decodes if r.speculation is not None]
+        # Each step emits up to 1 + len(draft) tokens: never past max_tokens or the context.
+        wanted = [min(spec.wanted, r.max_tokens - r.num_output_tokens - 1, self.max_model_len - r.num_tokens - 1) for r, spec in drafting]
+        for (request, spec), limit in zip(drafting, share_draft_rows(wanted, len(decodes)), strict=True):
+            request.draft = spec.propose(request.token_ids, limit)
+
+    def _accept_draft(self, request: Request, logits: torch.Tensor, now: float) -> list[RequestOutput]:
+        """Emit the tokens a verify pass decided: row ``i``'s draw, while the draws match the draft.
+
+        Invariant (engine/speculation.py): row ``i`` holds the logits a plain
+        decode would have after the draft's first ``i`` tokens, and each row is
+        drawn with the request's own sampler state (penalties see the tokens
+        emitted so far; its generator advances once per emitted token). So the
+        emitted tokens are the ones plain decoding emits, token for token.
+        """
+        draft, spec = request.draft, request.speculation
+        assert draft is not None and spec is not None
+        outputs: list[RequestOutput] = []
+        accepted = 0
+        for i in range(len(draft.tokens) + 1):
+            tokens, logprobs = self.runner.sampler(logits[i : i + 1], [request])
+            out = self._append_token(request, tokens[0], logprobs[0], now)
+            outputs.append(out)
+            if out.finished or i == len(draft.tokens) or tokens[0] != draft.tokens[i]:
+                break
+            accepted += 1
+            request.num_computed_tokens += 1  # the KV the pass wrote for draft token i is that of the token now there
+            self.kv.register_computed_blocks(request)  # before a later token can finish the request, as in a plain step
+        spec.record(draft, accepted)
+        request.draft = None
+        self.stats.draft_tokens += len(draft.tokens)
+        self.stats.accepted_draft_tokens += accepted
+        # The counters as they stand after this step, on the step's last output.
+        outputs[-1] = replace(outputs[-1], speculation=spec.report())
         return outputs
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None, now: float) -> RequestOutput:
@@ -328,6 +388,7 @@ class LLMEngine:
             cache_tier=request.cache_tier,
             logprobs=new_logprobs,
             times=request.times,
+            speculation=None if request.speculation is None else request.speculation.report(),
         )
 
     # -- introspection ---------------------------------------------------------------

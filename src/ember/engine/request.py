@@ -17,6 +17,7 @@ from ember.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from ember.engine.constraints import Constraint
+    from ember.engine.speculation import Draft, RequestSpeculation, SpeculationReport
 
 
 class RequestStatus(enum.Enum):
@@ -117,6 +118,10 @@ class Request:
         self.max_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
         # Grammar the output must follow (engine/constraints.py); None for free text.
         self.constraint = constraint
+        # Drafting state (engine/speculation.py); None when the request does not speculate.
+        self.speculation: RequestSpeculation | None = None
+        # This step's guessed next tokens, verified with its decode token; None when not speculating.
+        self.draft: Draft | None = None
         # Detokenizer state; owned by detokenizer.py.
         self.detok: Any = None
         # Sequence number for FIFO order within a priority.
@@ -162,3 +167,5 @@ class RequestOutput:
     logprobs: list[TokenLogprob]
     times: RequestTimes
     error: str | None = None
+    # Speculative decoding so far (engine/speculation.py); None when the request does not speculate.
+    speculation: SpeculationReport | None = None

@@ -16,10 +16,16 @@ from ember.model.llama import AttentionMetadata, LlamaModel, PrefillSegment
 
 @dataclass
 class RunnerOutput:
-    """Sampled tokens of the requests whose scheduled tokens reached their end."""
+    """Sampled tokens of the requests whose scheduled tokens reached their end.
+
+    A decode that verified a draft is not sampled here: ``verify`` holds its
+    logits, one row per position (its own token, then each draft token), for
+    the engine to accept in order (``LLMEngine._accept_draft``).
+    """
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    verify: dict[str, torch.Tensor] = field(default_factory=dict)
     num_tokens: int = 0
 
 
@@ -40,8 +46,14 @@ class ModelRunner:
         masks = fill_token_masks([r.constraint for r in sampled_requests], self.model.config.vocab_size)
         logits = self.model(input_ids, positions, meta, self.kv.layer_caches, logit_rows)
         out = RunnerOutput(num_tokens=int(input_ids.shape[0]))
+        # Logit rows: the sampled requests' first, then each verifying decode's 1 + draft rows.
+        row = len(sampled_requests)
+        for item in sched.decodes:
+            if item.num_draft_tokens:
+                out.verify[item.request.request_id] = logits[row : row + 1 + item.num_draft_tokens]
+                row += 1 + item.num_draft_tokens
         if sampled_requests:
-            tokens, logprobs = self.sampler(logits, sampled_requests, masks)
+            tokens, logprobs = self.sampler(logits[: len(sampled_requests)], sampled_requests, masks)
             for request, token, lp in zip(sampled_requests, tokens, logprobs, strict=True):
                 out.sampled[request.request_id] = token
                 if lp is not None:
@@ -56,20 +68,22 @@ class ModelRunner:
     def _unified_attention(self, meta: AttentionMetadata, sched: SchedulerOutput) -> None:
         """Metadata for one paged attention call over every new token (the batch-invariant path).
 
-        Decode ``i`` attends on table row ``i``; prompt chunk ``j`` on row
-        ``decodes + j``; each token to its context so far (position + 1),
-        exactly the context the same token would have if it were decoded alone.
+        Decode ``i`` (its token, then its draft's) attends on table row ``i``;
+        prompt chunk ``j`` on row ``decodes + j``; each token to its context so
+        far (position + 1), exactly the context the same token would have if
+        it were decoded alone.
         """
-        requests = [s.request for s in sched.decodes] + [item.request for item in sched.prefills]
-        meta.block_tables = self._block_table(requests)
-        lens = [s.request.num_computed_tokens + 1 for s in sched.decodes]
-        rows = list(range(len(lens)))
-        for j, item in enumerate(sched.prefills):
-            c = item.request.num_computed_tokens
-            lens.extend(range(c + 1, c + item.num_new_tokens + 1))
-            rows.extend([len(sched.decodes) + j] * item.num_new_tokens)
+        items = [*sched.decodes, *sched.prefills]
+        meta.block_tables = self._block_table([item.request for item in items])
+        lens: list[int] = []
+        rows: list[int] = []
+        for j, item in enumerate(items):
+            c, n = item.request.num_computed_tokens, item.num_new_tokens + item.num_draft_tokens
+            lens.extend(range(c + 1, c + n + 1))
+            rows.extend([j] * n)
         meta.token_context_lens = torch.tensor(lens, dtype=torch.long, device=self.device)
-        meta.token_table_rows = torch.tensor(rows, dtype=torch.long, device=self.device) if sched.prefills else None
+        one_token_each = len(rows) == len(items)
+        meta.token_table_rows = None if one_token_each else torch.tensor(rows, dtype=torch.long, device=self.device)
 
     def _context_slots(self, block_table: torch.Tensor, length: int) -> torch.Tensor:
         """Slots of the first ``length`` positions of each row's blocks: (rows, length)."""
@@ -89,17 +103,23 @@ class ModelRunner:
         if unified:
             self._unified_attention(meta, sched)
         decodes = [s.request for s in sched.decodes]
+        verify_rows: list[int] = []  # after the sampled rows: see RunnerOutput
         if decodes:
             ctx_lens = []
-            for i, r in enumerate(decodes):
-                p = r.num_computed_tokens
+            for item in sched.decodes:
+                r, p = item.request, item.request.num_computed_tokens
+                draft = r.draft.tokens if item.num_draft_tokens and r.draft is not None else []
+                rows = verify_rows if draft else logit_rows
+                rows.extend(range(len(ids), len(ids) + 1 + len(draft)))
                 ids.append(r.token_ids[p])
-                pos.append(p)
-                slots.append(r.block_ids[p // bs] * bs + p % bs)
+                ids.extend(draft)
+                pos.extend(range(p, p + 1 + len(draft)))
+                slots.extend(r.block_ids[q // bs] * bs + q % bs for q in range(p, p + 1 + len(draft)))
                 ctx_lens.append(p + 1)
-                logit_rows.append(i)
-                sampled.append(r)
+                if not draft:
+                    sampled.append(r)
             meta.num_decode_tokens = len(decodes)
+            assert unified or not verify_rows, "drafts are verified on the batch-invariant path only"
         if decodes and not unified:
             table = self._block_table(decodes)
             lens = torch.tensor(ctx_lens, device=self.device)
@@ -132,4 +152,4 @@ class ModelRunner:
             return torch.tensor(values, dtype=torch.long, device=self.device)
 
         meta.slot_mapping = longs(slots)
-        return longs(ids), longs(pos), meta, longs(logit_rows), sampled
+        return longs(ids), longs(pos), meta, longs(logit_rows + verify_rows), sampled

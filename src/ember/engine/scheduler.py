@@ -3,7 +3,8 @@
 Each step the scheduler fills a budget of ``max_num_batched_tokens``:
 
 1. running requests that need one token (decodes) go first, so streams keep
-   their pace whatever arrives;
+   their pace whatever arrives; one that speculates brings its draft's tokens
+   (engine/speculation.py) when they fit;
 2. running requests still in prefill get the next chunk of their prompt;
 3. waiting requests are admitted in (priority, arrival) order, each reusing its
    longest cached prefix and computing at most the budget that is left.
@@ -28,8 +29,11 @@ from ember.engine.request import Request, RequestStatus
 
 @dataclass
 class ScheduledRequest:
+    """``num_new_tokens`` of the request's own tokens, then (decodes only) its draft's tokens."""
+
     request: Request
     num_new_tokens: int
+    num_draft_tokens: int = 0
 
 
 @dataclass
@@ -42,7 +46,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+        return sum(s.num_new_tokens + s.num_draft_tokens for s in (*self.decodes, *self.prefills))
 
     @property
     def is_empty(self) -> bool:
@@ -102,7 +106,8 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(request.num_tokens - request.num_computed_tokens, budget)
-            allocated = self.kv.allocate(request, n)
+            drafted = self._fit_draft(request, budget) if request in decodes else 0
+            allocated = drafted > 0 or self.kv.allocate(request, n)
             while not allocated:
                 victim = self._pick_victim(exclude=scheduled)
                 if victim is None:
@@ -113,10 +118,10 @@ class Scheduler:
                 allocated = self.kv.allocate(request, n)
             if not allocated:
                 continue
-            item = ScheduledRequest(request, n)
+            item = ScheduledRequest(request, n, drafted)
             (out.decodes if n == 1 and request in decodes else out.prefills).append(item)
             scheduled.add(request.request_id)
-            budget -= n
+            budget -= n + drafted
 
         # Admit waiting requests, unless this step already had to preempt.
         while self.waiting and budget > 0 and not out.preempted and len(self.running) < self.max_num_seqs:
@@ -136,6 +141,21 @@ class Scheduler:
             budget -= n
         return out
 
+    def _fit_draft(self, request: Request, budget: int) -> int:
+        """Draft tokens this decode verifies this step, its blocks allocated; 0 (draft dropped) when they do not fit.
+
+        A draft is a bet: it takes only budget that is left and blocks that are
+        free (no session is demoted and nobody preempted for a guess).
+        """
+        draft = request.draft
+        if draft is None:
+            return 0
+        n = 1 + len(draft.tokens)
+        if n <= budget and self.kv.can_allocate(request, n) and self.kv.allocate(request, n):
+            return len(draft.tokens)
+        request.draft = None
+        return 0
+
     def _pick_victim(self, exclude: set[str]) -> Request | None:
         """Lowest priority first, then the most recently admitted; never one already scheduled."""
         candidates = [r for r in self.running if r.request_id not in exclude]
@@ -147,6 +167,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv.free(request)
         request.num_computed_tokens = 0
+        request.draft = None
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
         out.preempted.append(request)

@@ -25,6 +25,9 @@ class EngineCounters:
     aborted: int = 0
     timed_out: int = 0
     busy_seconds: float = 0.0
+    # Speculative decoding: tokens guessed and verified, and how many of them the model kept.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -856,11 +856,13 @@ Tensor linear(Tensor x, const LinearWeights& w) {
   return w.bias.defined() && w.bias.numel() ? y.add_(w.bias) : y;
 }
 
-// The whole decoder stack for a decode-only step, in one call: per layer the
-// same kernels, in the same order, as model/llama.py's layer-by-layer path.
+// The whole decoder stack for a step without prompt chunks, in one call: per
+// layer the same kernels, in the same order, as model/llama.py's layer-by-layer
+// path. table_rows as in paged_attention: a decode verifying a draft has
+// several tokens on its block table row.
 Tensor decode_layers(Tensor x, const std::vector<LayerWeights>& layers, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
-                     Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor block_tables, Tensor context_lens,
-                     int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps) {
+                     Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor block_tables, c10::optional<Tensor> table_rows,
+                     Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps) {
   const int64_t n_layers = static_cast<int64_t>(layers.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n_layers && static_cast<int64_t>(v_caches.size()) == n_layers,
               "decode_layers: one K and one V cache per layer");
@@ -881,7 +883,7 @@ Tensor decode_layers(Tensor x, const std::vector<LayerWeights>& layers, std::vec
     if (lw.qkv_bias.defined() && lw.qkv_bias.numel()) qkv_bias = lw.qkv_bias;
     Tensor q = rope_store(qkv.contiguous(), cos, sin, positions, slots, k_caches[l], v_caches[l], num_heads, num_kv_heads, head_dim, qkv_bias);
     Tensor attn = torch::empty({tokens, q_size}, dtype_for(lw.o));
-    paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, c10::nullopt, context_lens, block_size, scale);
+    paged_attention(attn, q, k_caches[l], v_caches[l], block_tables, table_rows, context_lens, block_size, scale);
     Tensor o = linear(attn, lw.o);
     Tensor h2 = torch::empty({tokens, hidden}, dtype_for(lw.gate_up));
     add_rmsnorm(h2, x, o.contiguous(), lw.ffn_norm, eps);

@@ -411,7 +411,7 @@ class LlamaModel(nn.Module):
         x = cast(Int8Linear, self.lm_head).rows(input_ids).to(self.dtype) if self.embed is None else F.embedding(input_ids, self.embed)
         meta.positions = positions
         if self._decode_plan is not None and not meta.prefills and per_layer is None:
-            # Decode-only step: the whole stack in one compiled call, no Python per layer.
+            # Decode-only step (drafts included): the whole stack in one compiled call, no Python per layer.
             c = self.config
             unified = meta.token_context_lens is not None
             return self.kernels.decode_layers(
@@ -424,6 +424,7 @@ class LlamaModel(nn.Module):
                 positions,
                 meta.slot_mapping,
                 meta.block_tables if unified else meta.decode_block_tables,
+                meta.token_table_rows if unified else None,
                 meta.token_context_lens if unified else meta.decode_context_lens,
                 c.num_heads,
                 c.num_kv_heads,

@@ -41,6 +41,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the previous per-shape kernels: faster on AVX-512, but a request's tokens may change with what shares its batch",
     )
 
+    m.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=_E.num_speculative_tokens,
+        help="most tokens drafted per step from the request's own text or its prediction, verified exactly (0: off)",
+    )
+
     s = p.add_argument_group("server")
     s.add_argument("--host", default=_S.host)
     s.add_argument("--port", type=int, default=_S.port)
@@ -164,6 +171,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,
         batch_invariant=not args.no_batch_invariant,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     server = ServerConfig(
         host=args.host,

@@ -88,6 +88,8 @@ class PreparedRequest:
     tools: ToolSpec = field(default_factory=lambda: ToolSpec("none"))
     # Completions with echo: the prompt text that comes before each choice's text.
     echo: str | None = None
+    # Chat with ``prediction``: its token ids, drafted from (engine/speculation.py).
+    prediction_ids: list[int] | None = None
     # Filled while running; read by the access log.
     record: dict[str, Any] = field(default_factory=dict)
     # When the request reached the server (time.monotonic), and how long it
@@ -281,6 +283,8 @@ def prepare_chat(state: ServerState, caller: Caller, body: ChatCompletionRequest
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     prepared = _finish_prepare(state, caller, body, prompt, requested, logprobs, constraints)
     prepared.tools = tools
+    if body.prediction is not None and (text := body.prediction.text()):
+        prepared.prediction_ids = tokenizer.encode(text, add_bos=False)
     return prepared
 
 
@@ -381,6 +385,7 @@ async def _run_choice(state: ServerState, prepared: PreparedRequest, index: int)
         # The conversation continues from one choice: only the first keeps the session.
         session_id=prepared.session_id if index == 0 else None,
         constraint=prepared.constraints[index],
+        prediction=prepared.prediction_ids,
     )
     try:
         async for out in outputs:
@@ -401,6 +406,11 @@ async def _run_choice(state: ServerState, prepared: PreparedRequest, index: int)
                 last_token_at = now
             if out.finished:
                 record["completion_tokens"] = record.get("completion_tokens", 0) + out.num_output_tokens
+                if (spec := out.speculation) is not None and spec.draft_tokens:
+                    record["draft_tokens"] = record.get("draft_tokens", 0) + spec.draft_tokens
+                    record["accepted_draft_tokens"] = record.get("accepted_draft_tokens", 0) + spec.accepted_tokens
+                    metrics.spec_draft_tokens.labels(model).inc(spec.draft_tokens)
+                    metrics.spec_accepted_tokens.labels(model).inc(spec.accepted_tokens)
                 if index == 0:
                     record.update(
                         cached_tokens=out.num_cached_tokens,

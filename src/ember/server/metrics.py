@@ -82,6 +82,9 @@ class ServerMetrics:
         )
         self.prompt_tokens = Counter("llm_prompt_tokens", "Prompt tokens received.", m, registry=r)
         self.generation_tokens = Counter("llm_generation_tokens", "Tokens generated.", m, registry=r)
+        # Speculative decoding (engine/speculation.py): accepted / draft is the acceptance rate.
+        self.spec_draft_tokens = Counter("llm_spec_draft_tokens", "Tokens drafted and verified by speculative decoding.", m, registry=r)
+        self.spec_accepted_tokens = Counter("llm_spec_accepted_tokens", "Drafted tokens the model kept.", m, registry=r)
         self.requests = Counter("llm_requests", "Requests finished, by finish reason.", [*m, "finish_reason"], registry=r)
         self.errors = Counter("llm_request_errors", "Requests answered with an error, by HTTP status.", [*m, "code"], registry=r)
         self.running = Gauge("llm_requests_running", "Requests in the engine's running set.", m, registry=r)

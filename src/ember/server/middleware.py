@@ -177,6 +177,8 @@ def log_access(method: str | None, path: str | None, request_id: str, status: in
         "prompt_tokens",
         "completion_tokens",
         "cached_tokens",
+        "draft_tokens",
+        "accepted_draft_tokens",
         "queue_s",
         "ttft_s",
         "finish_reason",

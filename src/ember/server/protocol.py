@@ -169,6 +169,21 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
+class Prediction(BaseModel):
+    """OpenAI's Predicted Outputs: text the answer is expected to repeat (a file being edited, say).
+
+    Ember drafts from it (engine/speculation.py); the answer is the one the
+    request gets without it, only sooner where the model agrees with it.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["content"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -233,6 +248,7 @@ class ChatCompletionRequest(_GenerationFields):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    prediction: Prediction | None = None
 
 
 class CompletionRequest(_GenerationFields):
@@ -274,7 +290,14 @@ def finish_fields(reason: FinishReason | None, stop_reason: str | int | None) ->
     return {"finish_reason": reason.openai, "stop_reason": stop_reason}
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cache_tier: str) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int,
+    cache_tier: str,
+    accepted_prediction: int = 0,
+    rejected_prediction: int = 0,
+) -> dict[str, Any]:
     """OpenAI's ``usage`` object, plus Ember's ``prompt_tokens_details.cache_tier``.
 
     ``cache_tier`` says where most of the cached prompt tokens came from: ``hot``
@@ -284,12 +307,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cache_
     the request is scheduled, so it travels here, in the last chunk, rather than
     in a response header. OpenAI clients keep unknown fields of
     ``prompt_tokens_details`` (``usage.prompt_tokens_details.cache_tier``).
+    ``completion_tokens_details`` counts a ``prediction``'s tokens that the
+    answer took and those it did not, as OpenAI does (zeros without one).
     """
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens, "cache_tier": cache_tier},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "accepted_prediction_tokens": accepted_prediction,
+            "rejected_prediction_tokens": rejected_prediction,
+        },
     }
 
 

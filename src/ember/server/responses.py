@@ -232,7 +232,14 @@ def reply_headers(state: ServerState, prepared: PreparedRequest) -> dict[str, st
 def _usage_of(finals: dict[int, RequestOutput], prepared: PreparedRequest) -> dict[str, Any]:
     """Usage of the whole reply: the prompt once, the completions of every choice."""
     first = finals[0]
-    u = usage(first.num_prompt_tokens, sum(out.num_output_tokens for out in finals.values()), first.num_cached_tokens, first.cache_tier)
+    u = usage(
+        first.num_prompt_tokens,
+        sum(out.num_output_tokens for out in finals.values()),
+        first.num_cached_tokens,
+        first.cache_tier,
+        sum(out.speculation.accepted_prediction_tokens or 0 for out in finals.values() if out.speculation),
+        sum(out.speculation.rejected_prediction_tokens or 0 for out in finals.values() if out.speculation),
+    )
     u["max_tokens"] = prepared.max_tokens
     return u
 

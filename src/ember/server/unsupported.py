@@ -1,6 +1,6 @@
 """OpenAI request fields Ember does not implement: refused by name, never ignored.
 
-An application that sends ``audio`` or ``prediction`` relies on them; a 200
+An application that sends ``audio`` or ``web_search_options`` relies on them; a 200
 that silently drops them is the worst answer. Each field below is a 400 with
 ``param`` naming it, unless its value asks for nothing beyond what Ember does
 anyway (null, ``store: false``, ``modalities: ["text"]`` ...). Fields that are
@@ -23,7 +23,6 @@ from ember.server.errors import APIError, bad_request
 CHAT_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "audio": (),
     "modalities": (["text"],),
-    "prediction": (),
     "web_search_options": (),
     "functions": (),  # the deprecated spelling of tools
     "function_call": ("none",),
