@@ -12,7 +12,7 @@ from helpers import final_tokens, greedy, run_all
 from ember.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.sampling import SamplingParams
-from ember.engine.speculation import PAUSE_STEPS, STEP_ROWS, Draft, NgramIndex, RequestSpeculation, share_draft_rows
+from ember.engine.speculation import PAUSE_STEPS, START_TOKENS, STEP_ROWS, Draft, Match, NgramIndex, RequestSpeculation, share_draft_rows
 
 # -- where drafts come from (pure) -------------------------------------------------
 
@@ -20,19 +20,19 @@ from ember.engine.speculation import PAUSE_STEPS, STEP_ROWS, Draft, NgramIndex, 
 def test_ngram_lookup_takes_the_longest_match_and_never_the_tail_itself():
     index = NgramIndex(1, 3, [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7])
     # The tail (6, 7) was followed by 8 and by 9; the latest earlier occurrence wins.
-    assert index.propose(index.tokens, 3) == (7, [9, 2, 6])
+    assert index.propose(index.tokens, 3) == Match([9, 2, 6], 7, 2)
     # The 3-gram (1, 6, 7) beats the 2-gram (6, 7): it was followed by 9 only.
-    assert index.propose([1, 6, 7], 2) == (7, [9, 2])
+    assert index.propose([1, 6, 7], 2) == Match([9, 2], 7, 3)
     # The n-gram that ends the list has no follower yet: nothing to propose from it alone.
-    assert NgramIndex(1, 2, [4, 5]).propose([4, 5], 3) == (-1, [])
-    assert NgramIndex(2, 3, [1, 2, 3]).propose([9, 3], 3) == (-1, [])  # below min_n
+    assert NgramIndex(1, 2, [4, 5]).propose([4, 5], 3) == Match([], -1, 0)
+    assert NgramIndex(2, 3, [1, 2, 3]).propose([9, 3], 3) == Match([], -1, 0)  # below min_n
 
 
 def test_a_prediction_is_read_in_order():
     index = NgramIndex(1, 2, [10, 11, 12, 10, 11, 13])
-    assert index.propose([10, 11], 2, after=0) == (2, [12, 10])  # the first occurrence at or after the cursor
-    assert index.propose([10, 11], 2, after=3) == (5, [13])
-    assert index.propose([10, 11], 2, after=6) == (5, [13])  # past the last: the latest
+    assert index.propose([10, 11], 2, after=0) == Match([12, 10], 2, 2)  # the first occurrence at or after the cursor
+    assert index.propose([10, 11], 2, after=3) == Match([13], 5, 2)
+    assert index.propose([10, 11], 2, after=6) == Match([13], 5, 2)  # past the last: the latest
 
 
 def test_draft_length_adapts_event_by_event():
@@ -43,10 +43,12 @@ def test_draft_length_adapts_event_by_event():
         draft = spec.propose(tokens, 100)
         return 0 if draft is None else len(draft.tokens)
 
+    assert draft_len() == START_TOKENS == 2
+    spec.record(Draft([1, 2]), 2)  # taken in full: double
     assert draft_len() == 4
     spec.record(Draft([3, 1, 2, 3]), 0)  # first token rejected: halve
     assert draft_len() == 2
-    spec.record(Draft([3, 1]), 2)  # taken in full: double
+    spec.record(Draft([3, 1]), 2)  # taken in full: double, up to the maximum
     assert draft_len() == 4
     spec.record(Draft([3, 1, 2, 3]), 2)  # partly taken: keep
     assert draft_len() == 4
@@ -55,15 +57,19 @@ def test_draft_length_adapts_event_by_event():
     assert [draft_len() for _ in range(PAUSE_STEPS)] == [0] * PAUSE_STEPS  # at zero: pause
     assert draft_len() == 1  # then try one token again
     assert spec.propose(tokens, 0) is None  # never past the request's limit
-    assert (spec.drafted, spec.accepted) == (4 + 2 + 4 + 7, 0 + 2 + 2)
+    assert (spec.drafted, spec.accepted) == (2 + 4 + 2 + 4 + 7, 2 + 0 + 2 + 2)
 
 
 def test_prediction_counters():
     spec = RequestSpeculation(4, 2, 3, prediction=[7, 8, 9, 10, 11])
-    draft = spec.propose([1, 7], 4)
-    assert draft == Draft([8, 9, 10, 11], from_prediction=True, start=1)
-    spec.record(draft, 3)
-    assert (spec.accepted_from_prediction, spec.rejected_prediction_tokens) == (3, 2)
+    draft = spec.propose([1, 7], 4)  # one token places the answer in its prediction
+    assert draft == Draft([8, 9], from_prediction=True, start=1)
+    spec.record(draft, 2)
+    assert (spec.accepted_from_prediction, spec.rejected_prediction_tokens) == (2, 3)
+    assert spec.propose([1, 7, 8, 9], 4) == Draft([10, 11], from_prediction=True, start=3)
+    # The answer's own text wins when it matches a longer n-gram than the prediction does.
+    own = RequestSpeculation(4, 2, 3, prediction=[5, 6, 1])
+    assert own.propose([4, 5, 6, 2, 4, 5, 6], 4) == Draft([2, 4], start=3)
     unused = RequestSpeculation(0, 2, 3, prediction=[7, 8, 9])  # a constrained request: never drafts
     assert unused.propose([7, 8], 4) is None and unused.rejected_prediction_tokens == 3
 

@@ -31,6 +31,9 @@ from dataclasses import dataclass
 # Steps without drafting after a draft whose first token was rejected at length 1:
 # open-ended text rarely repeats itself, and a wasted verify row costs ~10 % of a step.
 PAUSE_STEPS = 16
+# A request's first draft: short, since open-ended text wastes it; a grounded
+# answer doubles it to the maximum within two steps.
+START_TOKENS = 2
 # Drafts ride along while a step has at most this many rows (decodes and draft
 # tokens together): one decode row costs 13.9 ms here, 16 rows 44 ms, 32 rows
 # 73 ms (2 cores). With 16 streams decoding a draft would take rows that cost
@@ -50,6 +53,15 @@ def share_draft_rows(wanted: list[int], num_decodes: int) -> list[int]:
         granted.append(min(n, left))
         left -= granted[-1]
     return granted
+
+
+@dataclass(frozen=True)
+class Match:
+    """Tokens that followed an earlier occurrence of the context's last ``n`` tokens, from ``start``."""
+
+    tokens: list[int]
+    start: int
+    n: int
 
 
 class NgramIndex:
@@ -74,12 +86,12 @@ class NgramIndex:
                 self._starts.setdefault(tuple(self.tokens[i - n : i]), []).append(i)
             self.tokens.append(token)
 
-    def propose(self, context: Sequence[int], k: int, after: int | None = None) -> tuple[int, list[int]]:
-        """Up to ``k`` tokens that followed the longest n-gram ending ``context``, and where they start.
+    def propose(self, context: Sequence[int], k: int, after: int | None = None) -> Match:
+        """Up to ``k`` tokens that followed the longest n-gram ending ``context``.
 
         ``after=None`` takes the latest occurrence (recent text repeats best);
         otherwise the first one at or after ``after`` (a prediction is read in
-        order), else the latest. ``(-1, [])`` when nothing matches.
+        order), else the latest. An empty match when nothing matches.
         """
         for n in range(min(self.max_n, len(context)), self.min_n - 1, -1):
             starts = self._starts.get(tuple(context[len(context) - n :]))
@@ -88,8 +100,8 @@ class NgramIndex:
             start = starts[-1]
             if after is not None and (j := bisect.bisect_left(starts, after)) < len(starts):
                 start = starts[j]
-            return start, self.tokens[start : start + k]
-        return -1, []
+            return Match(self.tokens[start : start + k], start, n)
+        return Match([], -1, 0)
 
 
 @dataclass(frozen=True)
@@ -115,8 +127,9 @@ class SpeculationReport:
 class RequestSpeculation:
     """One request's drafting state: its indexes, its adaptive draft length and its counters.
 
-    The draft length adapts to what the request's text does: a draft taken in
-    full doubles the next one (up to ``max_tokens``), a draft whose first token
+    The draft length adapts to what the request's text does: it starts at
+    ``START_TOKENS``, a draft taken in full doubles the next one (up to
+    ``max_tokens``), a draft whose first token
     is rejected halves it, and at zero the request pauses ``PAUSE_STEPS``
     steps before trying one token again. Open-ended chat thus drafts rarely
     and briefly; a rewrite that copies its input drafts at full length.
@@ -125,7 +138,7 @@ class RequestSpeculation:
     def __init__(self, max_tokens: int, min_n: int, max_n: int, prediction: Sequence[int] | None = None) -> None:
         """``max_tokens=0``: never drafts (a constrained request), still reports its prediction as rejected."""
         self.max_tokens = max_tokens
-        self.length = max_tokens
+        self.length = min(START_TOKENS, max_tokens)
         self.paused = 0
         self.context = NgramIndex(min_n, max_n)
         self.prediction = NgramIndex(1, max_n, prediction) if prediction else None
@@ -155,12 +168,13 @@ class RequestSpeculation:
         k = min(self.length, limit)
         if k <= 0:
             return None
+        found = self.context.propose(token_ids, k)
         if self.prediction is not None:
-            start, tokens = self.prediction.propose(token_ids, k, after=self._prediction_cursor)
-            if tokens:
-                return Draft(tokens, from_prediction=True, start=start)
-        start, tokens = self.context.propose(token_ids, k)
-        return Draft(tokens, start=start) if tokens else None
+            # The prediction, unless the answer's own text matches a longer n-gram.
+            predicted = self.prediction.propose(token_ids, k, after=self._prediction_cursor)
+            if predicted.tokens and predicted.n >= found.n:
+                return Draft(predicted.tokens, from_prediction=True, start=predicted.start)
+        return Draft(found.tokens, start=found.start) if found.tokens else None
 
     def record(self, draft: Draft, accepted: int) -> None:
         """Adapt to how much of ``draft`` the model kept; see the class docstring."""
