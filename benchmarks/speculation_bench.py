@@ -13,7 +13,8 @@ off; the run checks it):
 
 Each is measured through ``ember serve`` (``make serve``'s defaults; "off" is
 ``--num-speculative-tokens 0``) with an httpx SSE client, and with an
-``LLMEngine`` in this process, both settings. Figures: decode tokens/s (first
+``LLMEngine`` in this process, both settings; on and off run side by side,
+their requests alternating, so drift in the machine's speed falls on both. Figures: decode tokens/s (first
 to last token), end to end, the on/off ratio, and the acceptance rate
 (accepted / drafted tokens, from the server's ``llm_spec_*`` counters and the
 engine's). Targets (issue 12): input-grounded >= 1.8x, story >= 0.97x.
@@ -148,68 +149,81 @@ def _spec_counters(base: str) -> tuple[float, float]:
     return total("llm_spec_draft_tokens"), total("llm_spec_accepted_tokens")
 
 
-def measure_http(speculative_tokens: int, runs: int, threads: int) -> dict[str, Run]:
-    results: dict[str, Run] = {}
-    with ServerProcess("--num-speculative-tokens", str(speculative_tokens), threads=threads) as server:
-        _http_once(server.base, WORKLOADS[-1])  # warm up
+def _run_of(samples: list[tuple[float, float, int, str]], drafted: float, accepted: float) -> Run:
+    return Run(
+        statistics.median(s[0] for s in samples), statistics.median(s[1] for s in samples), samples[0][2], drafted, accepted, samples[0][3]
+    )
+
+
+def measure_http(settings: dict[str, int], runs: int, threads: int) -> dict[str, dict[str, Run]]:
+    """Both servers up at once, their requests alternating (off, on, off, on ...) so that drift
+    in the machine's speed falls on both; an idle server sleeps in its engine loop."""
+    servers = {label: ServerProcess("--num-speculative-tokens", str(k), threads=threads) for label, k in settings.items()}
+    results: dict[str, dict[str, Run]] = {label: {} for label in settings}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+            _http_once(server.base, WORKLOADS[-1])  # warm up
         for w in WORKLOADS:
-            before = _spec_counters(server.base)
-            samples = [_http_once(server.base, w) for _ in range(runs)]
-            after = _spec_counters(server.base)
-            results[w.name] = Run(
-                statistics.median(s[0] for s in samples),
-                statistics.median(s[1] for s in samples),
-                samples[0][2],
-                (after[0] - before[0]) / runs,
-                (after[1] - before[1]) / runs,
-                samples[0][3],
-            )
+            samples: dict[str, list[tuple[float, float, int, str]]] = {label: [] for label in settings}
+            before = {label: _spec_counters(server.base) for label, server in servers.items()}
+            for _ in range(runs):
+                for label, server in servers.items():
+                    samples[label].append(_http_once(server.base, w))
+            for label, server in servers.items():
+                after = _spec_counters(server.base)
+                drafted, accepted = ((a - b) / runs for a, b in zip(after, before[label], strict=True))
+                results[label][w.name] = _run_of(samples[label], drafted, accepted)
+    finally:
+        for server in servers.values():
+            server.stop()
     return results
 
 
-def measure_in_process(speculative_tokens: int, runs: int, threads: int) -> dict[str, Run]:
+def measure_in_process(settings: dict[str, int], runs: int, threads: int) -> dict[str, dict[str, Run]]:
+    """Both engines in this process, their requests alternating as in ``measure_http``."""
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling import SamplingParams
+    from ember.model.loader import load_model
 
-    engine = LLMEngine(config=EngineConfig(threads=threads, num_speculative_tokens=speculative_tokens))
-    tok = engine.tokenizer
-    results: dict[str, Run] = {}
+    loaded = load_model(None)
+    engines = {
+        label: LLMEngine(config=EngineConfig(threads=threads, num_speculative_tokens=k), loaded=loaded) for label, k in settings.items()
+    }
+    results: dict[str, dict[str, Run]] = {label: {} for label in settings}
     for w in WORKLOADS:
-        samples = []
-        drafted = accepted = 0
+        samples: dict[str, list[tuple[float, float, int, str]]] = {label: [] for label in settings}
+        counts = {label: [0, 0] for label in settings}
         for i in range(runs):
-            engine.kv.pool.reset_prefix_cache()
-            prediction = tok.encode(w.prediction, add_bos=False) if w.prediction else None
-            params = SamplingParams(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=w.ignore_eos)
-            engine.add_request(f"{w.name}-{i}", tok.encode_chat([{"role": "user", "content": w.prompt}]), params, prediction=prediction)
-            first = last = None
-            tokens: list[int] = []
-            started = time.perf_counter()
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.new_token_ids:
-                        last = time.perf_counter()
-                        first = first or last
-                        tokens += out.new_token_ids
-                    if out.finished and out.speculation is not None:
-                        drafted += out.speculation.draft_tokens
-                        accepted += out.speculation.accepted_tokens
-            assert first is not None and last is not None
-            samples.append(((len(tokens) - 1) / max(last - first, 1e-9), time.perf_counter() - started, len(tokens), tok.decode(tokens)))
-        results[w.name] = Run(
-            statistics.median(s[0] for s in samples),
-            statistics.median(s[1] for s in samples),
-            samples[0][2],
-            drafted / runs,
-            accepted / runs,
-            samples[0][3],
-        )
+            for label, engine in engines.items():
+                tok = engine.tokenizer
+                engine.kv.pool.reset_prefix_cache()
+                prediction = tok.encode(w.prediction, add_bos=False) if w.prediction else None
+                params = SamplingParams(max_tokens=w.max_tokens, temperature=0.0, ignore_eos=w.ignore_eos)
+                engine.add_request(f"{w.name}-{i}", tok.encode_chat([{"role": "user", "content": w.prompt}]), params, prediction=prediction)
+                first = last = None
+                tokens: list[int] = []
+                started = time.perf_counter()
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        if out.new_token_ids:
+                            last = time.perf_counter()
+                            first = first or last
+                            tokens += out.new_token_ids
+                        if out.finished and out.speculation is not None:
+                            counts[label][0] += out.speculation.draft_tokens
+                            counts[label][1] += out.speculation.accepted_tokens
+                assert first is not None and last is not None
+                elapsed = time.perf_counter() - started
+                samples[label].append(((len(tokens) - 1) / max(last - first, 1e-9), elapsed, len(tokens), tok.decode(tokens)))
+        for label in settings:
+            results[label][w.name] = _run_of(samples[label], counts[label][0] / runs, counts[label][1] / runs)
     return results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--runs", type=int, default=2, help="repeats per workload and path (median)")
+    p.add_argument("--runs", type=int, default=3, help="repeats per workload and path (median)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--speculative-tokens", type=int, default=8, help="the 'on' setting (make serve's default)")
     p.add_argument("--skip-in-process", action="store_true")
@@ -217,11 +231,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    settings = {"off": 0, "on": args.speculative_tokens}
     paths: dict[str, dict[str, Run]] = {}
-    for label, k in (("off", 0), ("on", args.speculative_tokens)):
-        paths[f"HTTP {label}"] = measure_http(k, args.runs, args.threads)
-        if not args.skip_in_process:
-            paths[f"in process {label}"] = measure_in_process(k, args.runs, args.threads)
+    for label, runs in measure_http(settings, args.runs, args.threads).items():
+        paths[f"HTTP {label}"] = runs
+    if not args.skip_in_process:
+        for label, runs in measure_in_process(settings, args.runs, args.threads).items():
+            paths[f"in process {label}"] = runs
     print(f"\nSpeculative decoding, one stream, temperature 0, {args.runs} runs each (median); decode tok/s, on / off, acceptance")
     print("| workload | path | off tok/s | on tok/s | on / off | target | e2e off -> on (s) | tokens | accepted / drafted |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")

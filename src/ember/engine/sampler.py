@@ -21,7 +21,12 @@ from ember.engine.request import Request, TokenLogprob
 
 # top-p looks at this many best tokens first and sorts the full vocabulary only
 # when they hold less than top_p of the mass: same result, far less sorting.
-_TOP_P_CANDIDATES = 1024
+# Measured over 960 steps of 16 story streams at temperature 0.7 / top_p 0.9:
+# no row needed more than 256 candidates (0.3 % needed more than 128); topk's
+# cost grows with k (1,024 candidates took a third of a sampled step).
+_TOP_P_CANDIDATES = 256
+# A flatter row (a high temperature) looks at this many next, before sorting everything.
+_WIDE_CANDIDATES = 4096
 
 
 class Sampler:
@@ -53,7 +58,11 @@ class Sampler:
                 row[list(request.stop_token_ids)] = float("-inf")
         # Rows without top-k share one softmax and one candidate selection (batched tensor work).
         batched = [i for i, r in enumerate(requests) if not r.params.greedy and not 0 < r.params.top_k < logits.shape[1]]
-        drawn = dict(zip(batched, _sample_batch(logits[batched], [requests[i] for i in batched]), strict=True)) if batched else {}
+        if batched:
+            rows = logits if len(batched) == len(requests) else logits[batched]  # a copy only when some rows stay
+            drawn = dict(zip(batched, _sample_batch(rows, [requests[i] for i in batched]), strict=True))
+        else:
+            drawn = {}
         for i, request in enumerate(requests):
             row = logits[i]
             if i in drawn:
@@ -110,9 +119,10 @@ def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     The softmax and the candidate selection run over all rows at once; each
     row then draws from its own generator over its kept candidates, so a
     seeded row's token depends only on its logits and its generator.
+    ``logits`` is the caller's scratch copy: it is overwritten.
     """
     temperatures = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=logits.device)
-    scaled = torch.nan_to_num(logits / temperatures[:, None], nan=-3.0e38, posinf=3.0e38, neginf=-3.0e38)
+    scaled = torch.nan_to_num_(logits.div_(temperatures[:, None]), nan=-3.0e38, posinf=3.0e38, neginf=-3.0e38)
     probs = torch.softmax(scaled, dim=-1)
     k = min(_TOP_P_CANDIDATES, probs.shape[1])
     top_values, top_indices = torch.topk(probs, k) if any(r.params.top_p < 1.0 for r in requests) else (None, None)
@@ -124,8 +134,8 @@ def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
             assert top_values is not None and top_indices is not None
             if float(top_values[i].sum()) >= p.top_p:
                 values, indices = top_values[i], top_indices[i]
-            else:  # the candidates hold too little mass: the whole vocabulary
-                values, indices = torch.sort(probs[i], descending=True)
+            else:  # the candidates hold too little mass: a flatter row
+                values, indices = _wide_candidates(probs[i], p.top_p)
             keep = (torch.cumsum(values, dim=0) - values) < p.top_p  # the first token always stays
             values = values * keep
         if p.min_p > 0.0:
@@ -156,13 +166,22 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     k = min(_TOP_P_CANDIDATES, probs.shape[0])
     values, indices = torch.topk(probs, k)
     if k < probs.shape[0] and float(values.sum()) < top_p:
-        values, indices = torch.sort(probs, descending=True)
+        values, indices = _wide_candidates(probs, top_p)
     cumulative = torch.cumsum(values, dim=0)
     # Keep a token if the mass before it is still below top_p (the first always stays).
     keep = (cumulative - values) < top_p
     kept = torch.zeros_like(probs)
     kept[indices[keep]] = values[keep]
     return kept
+
+
+def _wide_candidates(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's best ``_WIDE_CANDIDATES`` tokens, sorted, when they hold ``top_p`` of its mass; else the whole row sorted."""
+    k = min(_WIDE_CANDIDATES, probs.shape[0])
+    values, indices = torch.topk(probs, k)
+    if k < probs.shape[0] and float(values.sum()) < top_p:
+        values, indices = torch.sort(probs, descending=True)
+    return values, indices
 
 
 def _token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
