@@ -15,7 +15,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SERVE_ARGS ?=
 
-.PHONY: setup test-setup ray serve test lint promtool chromium bench bench-engine bench-server bench-sessions bench-overload bench-soak bench-fronts chat clean grpc
+.PHONY: setup test-setup ray serve test lint promtool chromium bench bench-engine bench-speculation bench-server bench-sessions bench-overload bench-soak bench-fronts chat clean grpc
 
 # The gRPC code is build output (never committed): generated from the .proto
 # files by grpcio-tools whenever they change.
@@ -90,6 +90,9 @@ chromium:
 bench-engine: test-setup
 	$(BIN)/python -m benchmarks engine --threads $(THREADS)
 
+bench-speculation: test-setup
+	$(BIN)/python -m benchmarks speculation --threads $(THREADS)
+
 bench-server: test-setup
 	$(BIN)/python -m benchmarks front-door --threads $(THREADS)
 
@@ -108,7 +111,7 @@ bench-soak: test-setup
 bench-fronts: test-setup $(RAY_STAMP)
 	$(BIN)/python -m benchmarks fronts --threads $(THREADS)
 
-bench: bench-engine bench-server bench-sessions bench-overload bench-fronts
+bench: bench-engine bench-speculation bench-server bench-sessions bench-overload bench-fronts
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache src/ember/grpc/_generated
