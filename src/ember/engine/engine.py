@@ -120,7 +120,7 @@ class LLMEngine:
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._grammar: GrammarCompiler | None = None
         # Drafts are verified exactly only where a row's logits do not depend on its neighbours.
-        self.num_speculative_tokens = config.num_speculative_tokens if self.model.batch_invariant else 0
+        self.num_speculative_tokens = max(0, config.num_speculative_tokens) if self.model.batch_invariant else 0
 
     @property
     def grammar(self) -> GrammarCompiler:

@@ -1,13 +1,15 @@
 """Speculative decoding without a draft model: drafts from the request's own text.
 
-A decode step on a CPU reads every weight once whatever the number of rows
-(up to ~8), so checking ``k`` guessed tokens costs about one step. The guesses
-come from text the answer is likely to repeat: the tokens that followed the
-latest earlier occurrence of the sequence's last n-gram in its prompt and
-output (prompt lookup), or in the client's ``prediction`` (OpenAI's Predicted
-Outputs), which is searched first.
+A decode step on a CPU reads every weight once whatever the number of rows,
+so a row costs far less in a step that carries several (on the 2-core
+machines here: one row ~10 ms, 8 rows ~21 ms), and checking ``k`` guessed
+tokens costs a fraction of ``k`` steps. The guesses come from text the answer
+is likely to repeat: the tokens that followed the latest earlier occurrence of
+the sequence's last n-gram in its prompt and output (prompt lookup), or in the
+client's ``prediction`` (OpenAI's Predicted Outputs), preferred unless the
+answer's own text matches a longer n-gram.
 
-Exactness, the invariant the engine keeps (``LLMEngine._accept_drafts``): the
+Exactness, the invariant the engine keeps (``LLMEngine._accept_draft``): the
 verify pass computes each row's logits exactly as a one-token decode would
 (batch-invariant kernels: a row's numbers do not depend on the rows beside
 it), and the engine draws each position's token with the request's own
@@ -35,8 +37,8 @@ PAUSE_STEPS = 16
 # answer doubles it to the maximum within two steps.
 START_TOKENS = 2
 # Drafts ride along while a step has at most this many rows (decodes and draft
-# tokens together): one decode row costs 13.9 ms here, 16 rows 44 ms, 32 rows
-# 73 ms (2 cores). With 16 streams decoding a draft would take rows that cost
+# tokens together): one decode row costs ~10 ms here, 16 rows ~34 ms, 32 rows
+# ~53 ms (2 cores). With 16 streams decoding, a draft would take rows that cost
 # nearly as much as the tokens they might save, so drafts then stop.
 STEP_ROWS = 16
 
@@ -129,16 +131,15 @@ class RequestSpeculation:
 
     The draft length adapts to what the request's text does: it starts at
     ``START_TOKENS``, a draft taken in full doubles the next one (up to
-    ``max_tokens``), a draft whose first token
-    is rejected halves it, and at zero the request pauses ``PAUSE_STEPS``
-    steps before trying one token again. Open-ended chat thus drafts rarely
+    ``max_tokens``), a draft whose first token is rejected halves it, and at
+    zero the request pauses ``PAUSE_STEPS`` steps before trying one token again. Open-ended chat thus drafts rarely
     and briefly; a rewrite that copies its input drafts at full length.
     """
 
     def __init__(self, max_tokens: int, min_n: int, max_n: int, prediction: Sequence[int] | None = None) -> None:
         """``max_tokens=0``: never drafts (a constrained request), still reports its prediction as rejected."""
-        self.max_tokens = max_tokens
-        self.length = min(START_TOKENS, max_tokens)
+        self.max_tokens = max(0, max_tokens)
+        self.length = min(START_TOKENS, self.max_tokens)
         self.paused = 0
         self.context = NgramIndex(min_n, max_n)
         self.prediction = NgramIndex(1, max_n, prediction) if prediction else None
@@ -151,7 +152,7 @@ class RequestSpeculation:
     @property
     def wanted(self) -> int:
         """The draft length this request would take next step (0 while paused)."""
-        return 0 if self.paused > 0 else self.length if self.max_tokens > 0 else 0
+        return 0 if self.paused > 0 or self.max_tokens <= 0 else self.length
 
     def propose(self, token_ids: Sequence[int], limit: int) -> Draft | None:
         """The draft for the next step (at most ``limit`` tokens), or None; ``token_ids`` is prompt + output so far.
@@ -159,7 +160,7 @@ class RequestSpeculation:
         The prediction is indexed from single tokens up: the first output
         token (sampled by the prefill) already places the answer in it.
         """
-        if self.max_tokens == 0:  # kept for its prediction's counters only
+        if self.max_tokens <= 0:  # kept for its prediction's counters only
             return None
         self.context.extend(token_ids[len(self.context.tokens) :])
         if self.paused > 0:
@@ -191,6 +192,7 @@ class RequestSpeculation:
                 self.paused, self.length = PAUSE_STEPS, 1
 
     def report(self) -> SpeculationReport:
+        """The counters as a request's outputs carry them."""
         predicted = self.prediction is not None
         return SpeculationReport(
             self.drafted,
