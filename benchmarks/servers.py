@@ -129,8 +129,12 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels`` (prometheus text format)."""
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None, default: float | None = None) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels`` (prometheus text format).
+
+    No such sample raises ``KeyError``, or returns ``default`` when one is given
+    (a labelled counter has no sample until it is first incremented).
+    """
     from prometheus_client.parser import text_string_to_metric_families
 
     total, found = 0.0, False
@@ -140,5 +144,7 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
                 total += sample.value
                 found = True
     if not found:
+        if default is not None:
+            return default
         raise KeyError(name)
     return total

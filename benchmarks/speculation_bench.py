@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.servers import ServerProcess
+from benchmarks.servers import ServerProcess, metric_value
 
 PARAGRAPH = (
     "It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled into his breast "
@@ -138,15 +137,10 @@ def _http_once(base: str, w: Workload) -> tuple[float, float, int, str]:
     return (tokens - 1) / max(last - first, 1e-9), time.perf_counter() - started, tokens, "".join(text)
 
 
-def _spec_counters(base: str) -> tuple[float, float]:
-    import httpx
-
-    metrics = httpx.get(f"{base}/metrics", timeout=30).text
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} (\S+)$", metrics, re.M))
-
-    return total("llm_spec_draft_tokens"), total("llm_spec_accepted_tokens")
+def spec_counters(server: ServerProcess) -> tuple[float, float]:
+    """The server's ``llm_spec_*`` counters: tokens drafted, and of those accepted."""
+    text = server.metrics()
+    return metric_value(text, "llm_spec_draft_tokens_total", default=0.0), metric_value(text, "llm_spec_accepted_tokens_total", default=0.0)
 
 
 def _run_of(samples: list[tuple[float, float, int, str]], drafted: float, accepted: float) -> Run:
@@ -166,12 +160,12 @@ def measure_http(settings: dict[str, int], runs: int, threads: int) -> dict[str,
             _http_once(server.base, WORKLOADS[-1])  # warm up
         for w in WORKLOADS:
             samples: dict[str, list[tuple[float, float, int, str]]] = {label: [] for label in settings}
-            before = {label: _spec_counters(server.base) for label, server in servers.items()}
+            before = {label: spec_counters(server) for label, server in servers.items()}
             for _ in range(runs):
                 for label, server in servers.items():
                     samples[label].append(_http_once(server.base, w))
             for label, server in servers.items():
-                after = _spec_counters(server.base)
+                after = spec_counters(server)
                 drafted, accepted = ((a - b) / runs for a, b in zip(after, before[label], strict=True))
                 results[label][w.name] = _run_of(samples[label], drafted, accepted)
     finally:

@@ -7,13 +7,12 @@ of its tokens the answer took.
 
 from __future__ import annotations
 
-import re
 import time
 
-import httpx
 import openai
 import pytest
 
+from benchmarks.speculation_bench import spec_counters
 from test_overload import access_entry
 
 pytestmark = pytest.mark.timeout(180)
@@ -31,20 +30,11 @@ def client(server):
     return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
 
 
-def _spec_counters(server) -> tuple[float, float]:
-    text = httpx.get(f"{server.base}/metrics", timeout=10).text
-
-    def total(name: str) -> float:
-        return sum(float(v) for v in re.findall(rf"^{name}_total{{[^}}]*}} (\S+)$", text, re.M))
-
-    return total("llm_spec_draft_tokens"), total("llm_spec_accepted_tokens")
-
-
 def test_prediction_reports_usage_and_changes_nothing(client, server):
     plain = client.chat.completions.create(model=MODEL, messages=REWRITE, temperature=0, max_tokens=80)
     details = plain.usage.completion_tokens_details
     assert details.accepted_prediction_tokens == 0 and details.rejected_prediction_tokens == 0
-    before = _spec_counters(server)
+    before = spec_counters(server)
     predicted = client.chat.completions.create(
         model=MODEL,
         messages=REWRITE,
@@ -58,7 +48,7 @@ def test_prediction_reports_usage_and_changes_nothing(client, server):
     print(f"\nprediction: {details.accepted_prediction_tokens} accepted, {details.rejected_prediction_tokens} rejected")
     assert details.accepted_prediction_tokens > 10  # the answer copies most of the paragraph
     assert details.rejected_prediction_tokens >= 0
-    drafted, accepted = (after - b for after, b in zip(_spec_counters(server), before, strict=True))
+    drafted, accepted = (after - b for after, b in zip(spec_counters(server), before, strict=True))
     assert drafted >= accepted >= details.accepted_prediction_tokens
     entry = access_entry(server, "predicted-1")
     assert entry["draft_tokens"] >= entry["accepted_draft_tokens"] >= details.accepted_prediction_tokens

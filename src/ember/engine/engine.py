@@ -45,10 +45,11 @@ def _held_weakly(method: Callable[P, R]) -> Callable[P, R]:
 
     Invariant: no part the engine owns holds a strong reference back to the
     engine or to a part that owns it (the KV manager's pressure callback into
-    the sessions, which hold the KV manager). A cycle would keep the KV pool (hundreds of MB) alive after the
-    last user reference is dropped until Python's cyclic collector happens to
-    run, and tensor memory never triggers it: a test suite or a notebook that
-    builds engines one after another ran out of memory that way.
+    the sessions, which hold the KV manager). A cycle would keep the KV pool
+    (hundreds of MB) alive after the last user reference is dropped until
+    Python's cyclic collector happens to run, and tensor memory never triggers
+    it: a test suite or a notebook that builds engines one after another ran
+    out of memory that way.
     """
     ref, name = weakref.WeakMethod(method), method.__qualname__  # never `method` itself: it holds the object
 

@@ -76,6 +76,13 @@ class TextPart(BaseModel):
     text: str
 
 
+def text_of(content: str | list[TextPart] | None) -> str:
+    """A content field's text: the string, or its text parts joined (nothing for None)."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 # -- structured outputs and tools ----------------------------------------------
 
 
@@ -162,11 +169,7 @@ class ChatMessage(BaseModel):
     tool_call_id: str | None = None
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return text_of(self.content)
 
 
 class Prediction(BaseModel):
@@ -181,7 +184,7 @@ class Prediction(BaseModel):
     content: str | list[TextPart]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return text_of(self.content)
 
 
 class StreamOptions(BaseModel):
