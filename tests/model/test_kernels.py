@@ -151,7 +151,7 @@ def _lane_weights(n, k_in, seed):
 
 @pytest.mark.parametrize("in_features", [576, 600])  # 600: a last activation group of 24 inputs
 def test_lane_linears_match_the_dequantized_matmul(k, in_features):
-    """W8A16 (int16 activations in groups of 64) is within 1e-4 of float32 activations; float32 lanes within rounding."""
+    """W8A16 (int16 activations in groups of 256) is within 1e-4 of float32 activations; float32 lanes within rounding."""
     weight, q, scale, lanes8, lanes32 = _lane_weights(64, in_features, 0)
     x = torch.randn(21, in_features) * 3
     x[2, 7] = 80.0  # an activation outlier: only its group's scale grows
@@ -163,32 +163,46 @@ def test_lane_linears_match_the_dequantized_matmul(k, in_features):
     assert torch.equal(zeros, torch.zeros_like(zeros))
 
 
+# Inputs per activation scale in linear_lanes.cpp's W8A16.
+W8A16_GROUP = 256
+
+
 def _w8a16_by_definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """linear_lanes.cpp's W8A16 arithmetic written out in torch: int16 codes per group of 64 inputs,
+    """linear_lanes.cpp's W8A16 arithmetic written out in torch: int16 codes per group of 256 inputs,
     exact integer dots per group, then acc = fma(float(dot), group_scale, acc) in order and acc * scale.
     float32 fma is emulated in float64 (the product of two float32 is exact there)."""
     m, k_in = x.shape
     acc = torch.zeros(m, q.shape[0], dtype=torch.float32)
-    for g0 in range(0, k_in, 64):
-        xg = x[:, g0 : g0 + 64]
+    for g0 in range(0, k_in, W8A16_GROUP):
+        xg = x[:, g0 : g0 + W8A16_GROUP]
         amax = xg.abs().amax(dim=1, keepdim=True)
         inv = torch.where(amax > 0, torch.tensor(32767.0) / amax, torch.zeros_like(amax))
         codes = torch.round(xg * inv).clamp(-32767, 32767).to(torch.int64)
-        dot = (codes @ q[:, g0 : g0 + 64].to(torch.int64).t()).to(torch.float32)
+        dot = (codes @ q[:, g0 : g0 + W8A16_GROUP].to(torch.int64).t()).to(torch.float32)
         group_scale = (amax / 32767.0).to(torch.float64)
         acc = (dot.to(torch.float64) * group_scale + acc.to(torch.float64)).to(torch.float32)
     return acc * scale
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["vector", "amx"])
 @pytest.mark.parametrize("in_features", [576, 600, 1536])
-def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features):
-    """Every instruction set (AVX-512 VNNI, AVX2, plain loops) computes the same integer dots and the
-    same float epilogue: the bits equal the arithmetic written out in torch."""
-    _, q, scale, lanes8, _ = _lane_weights(40, in_features, 4)
+def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, amx):
+    """Every instruction set (AMX tiles, AVX2, plain loops) computes the same integer dots and the
+    same float epilogue: the bits equal the arithmetic written out in torch. 48 outputs: a pair of
+    16-output tiles and a lone one; 1-40 rows: under and over AMX's threshold, whole and partial row tiles."""
+    if amx and not k.amx_available():
+        pytest.skip("this CPU (or kernel) has no AMX tiles: the vector path is the one that runs")
+    _, q, scale, lanes8, _ = _lane_weights(48, in_features, 4)
     torch.manual_seed(5)
-    x = torch.randn(9, in_features) * 2
+    x = torch.randn(40, in_features) * 2
     x[1, 3] = 60.0
-    assert torch.equal(k.linear_w8a16(x, lanes8, scale), _w8a16_by_definition(x, q, scale))
+    x[7, :] = 0.0
+    previous = k.set_amx_enabled(amx)
+    try:
+        for rows in (1, 4, 5, 9, 16, 33, 40):
+            assert torch.equal(k.linear_w8a16(x[:rows], lanes8, scale), _w8a16_by_definition(x[:rows], q, scale)), rows
+    finally:
+        k.set_amx_enabled(previous)
 
 
 def test_lane_linears_do_not_depend_on_the_rows_in_the_call(k):

@@ -1,4 +1,4 @@
-"""Fused CPU kernels (cpu_kernels.cpp, linear_lanes.cpp), compiled on first use and cached.
+"""Fused CPU kernels (cpu_kernels.cpp, linear_lanes.cpp, linear_amx.cpp), compiled on first use and cached.
 
 On a small model a decode step is dominated by the dispatch overhead of many
 tiny ops (norms, rotary, cache writes, attention over a handful of tokens), not
@@ -20,7 +20,7 @@ from types import ModuleType
 
 log = logging.getLogger("ember.kernels")
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "linear_lanes.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "linear_lanes.cpp", "linear_amx.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False

@@ -1,0 +1,214 @@
+// W8A16 on Intel AMX tiles: the same bits as linear_lanes.cpp's definition, several times faster for many rows.
+//
+// The definition (linear_lanes.cpp): per row, int16 activation codes in groups
+// of 64 inputs; per (row, output, group) an exact int32 dot product with the
+// int8 weights; acc = fma(float(dot_g), scale_g, acc) over the groups in order;
+// output acc * w_scale. AMX multiplies bytes, not int16, so each code is split
+// exactly as c = 256 * hi + lo (hi = c >> 8 signed, lo = c & 255 unsigned):
+//
+//   dot_g = 256 * (hi . w) + (lo . w)       TDPBSSD for hi, TDPBUSD for lo
+//
+// Both partial dots are exact in int32 (|hi . w| <= 64 * 128 * 127, |lo . w| <=
+// 64 * 255 * 127), and so is their sum (|dot_g| <= 64 * 127 * 32767 < 2^31): the
+// integer dot is the definition's, whatever the hardware's order inside a tile.
+// The float epilogue is the definition's fma sequence, lane for lane. One AMX
+// tile of int8 is 64 bytes wide: exactly one quantization group.
+//
+// Weights are read from the lanes layout (N/8, K/2, 8, 2) that the AVX2 kernel
+// uses; each 16-output x 64-input B tile is reshuffled into AMX's (16 x 4)-byte
+// rows on the fly (1 KB, reused by every row tile), so no second copy is kept.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define EMBER_AMX 1
+#endif
+
+namespace ember_amx {
+
+constexpr int64_t GROUP = 64;   // inputs per activation scale = bytes per AMX tile row
+constexpr int64_t OUTS = 16;    // outputs per B tile (16 int32 columns of C)
+constexpr int64_t TILE_ROWS = 16;
+
+#ifdef EMBER_AMX
+
+namespace {
+
+// Linux hands out AMX's 8 KB of tile state only to a process that asks for it.
+bool request_tile_permission() {
+  constexpr int ARCH_REQ_XCOMP_PERM = 0x1023;
+  constexpr int XFEATURE_XTILEDATA = 18;
+  return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tile registers (the intrinsics take literal numbers): the activation bytes of
+// 16 rows x 64 inputs, two weight tiles (32 outputs) and their four accumulators.
+#define A_HI 0
+#define A_LO 1
+#define B_0 2
+#define B_1 3
+#define C_HI_0 4
+#define C_LO_0 5
+#define C_HI_1 6
+#define C_LO_1 7
+
+void load_tile_config() {
+  TileConfig config;
+  for (int t = 0; t <= C_LO_1; ++t) {
+    config.rows[t] = TILE_ROWS;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// The B tiles of outputs [16 b, 16 b + 16), one per 64 inputs, 1 KB each: row i of
+// tile t holds, for each of the 16 outputs, its weights for inputs 64 t + 4 i ..
+// + 3. The lanes layout gives a pair (2 inputs) of 8 outputs per 16 bytes;
+// interleaving the 16-bit units of two consecutive pairs yields 4 inputs for 4
+// outputs per 16 bytes.
+void gather_b_tiles(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles) {
+  const int64_t block_bytes = k * 8;  // one lanes block: K/2 pairs x 8 outputs x 2
+  for (int half = 0; half < 2; ++half) {
+    const int8_t* block = lanes + (2 * b + half) * block_bytes;
+    for (int64_t quad = 0; quad < k / 4; ++quad) {
+      const __m128i p0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (2 * quad) * 16));
+      const __m128i p1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (2 * quad + 1) * 16));
+      int8_t* row = tiles + quad * 64 + half * 32;  // tile quad / 16, row quad % 16
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row), _mm_unpacklo_epi16(p0, p1));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16), _mm_unpackhi_epi16(p0, p1));
+    }
+  }
+}
+
+// acc (16 rows x 16 outputs, row stride `stride`) = fma(float(256 * c_hi + c_lo), scale of the row, acc):
+// the definition's epilogue for one group, lane for lane.
+inline void fold_group(const int32_t* c_hi, const int32_t* c_lo, const float* scales, int64_t groups, int64_t rows, float* acc, int64_t stride) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c_hi + r * OUTS), 8), _mm512_load_si512(c_lo + r * OUTS));
+    float* a = acc + r * stride;
+    _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scales[r * groups]), _mm512_loadu_ps(a)));
+  }
+}
+
+// Rows [r0, r0 + rows) against NB (1 or 2) blocks of 16 outputs starting at block b.
+template <int NB>
+void row_tile(const int8_t* hi, const uint8_t* lo, const float* scales, int64_t r0, int64_t rows, int64_t k, int64_t group,
+              const int8_t* b_tiles, int64_t b_stride, float* acc, int32_t* c_buf) {
+  const int64_t groups = (k + group - 1) / group;
+  constexpr int64_t stride = NB * OUTS;
+  std::fill(acc, acc + TILE_ROWS * stride, 0.f);
+  for (int64_t g = 0; g < groups; ++g) {
+    _tile_zero(C_HI_0);
+    _tile_zero(C_LO_0);
+    if constexpr (NB == 2) {
+      _tile_zero(C_HI_1);
+      _tile_zero(C_LO_1);
+    }
+    for (int64_t k0 = g * group; k0 < std::min(k, (g + 1) * group); k0 += GROUP) {
+      _tile_loadd(A_HI, hi + r0 * k + k0, k);
+      _tile_loadd(A_LO, lo + r0 * k + k0, k);
+      _tile_loadd(B_0, b_tiles + k0 * OUTS, 64);
+      _tile_dpbssd(C_HI_0, A_HI, B_0);
+      _tile_dpbusd(C_LO_0, A_LO, B_0);
+      if constexpr (NB == 2) {
+        _tile_loadd(B_1, b_tiles + b_stride + k0 * OUTS, 64);
+        _tile_dpbssd(C_HI_1, A_HI, B_1);
+        _tile_dpbusd(C_LO_1, A_LO, B_1);
+      }
+    }
+    int32_t* c_hi = c_buf;
+    int32_t* c_lo = c_buf + TILE_ROWS * OUTS;
+    _tile_stored(C_HI_0, c_hi, OUTS * 4);
+    _tile_stored(C_LO_0, c_lo, OUTS * 4);
+    fold_group(c_hi, c_lo, scales + r0 * groups + g, groups, rows, acc, stride);
+    if constexpr (NB == 2) {
+      _tile_stored(C_HI_1, c_hi, OUTS * 4);
+      _tile_stored(C_LO_1, c_lo, OUTS * 4);
+      fold_group(c_hi, c_lo, scales + r0 * groups + g, groups, rows, acc + OUTS, stride);
+    }
+  }
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = request_tile_permission();
+  return ok;
+}
+
+bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
+                  int64_t n, float* y) {
+  if (k % GROUP != 0 || group % GROUP != 0 || n % OUTS != 0 || !available()) return false;
+  const int64_t padded = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+  // Codes split into bytes (vpsraw / vpand, then narrowed); padding rows are zero (their outputs are dropped).
+  std::unique_ptr<int8_t[]> hi_buf(new int8_t[padded * k]);
+  std::unique_ptr<uint8_t[]> lo_buf(new uint8_t[padded * k]);
+  int8_t* hi = hi_buf.get();
+  uint8_t* lo = lo_buf.get();
+  std::memset(hi + m * k, 0, (padded - m) * k);
+  std::memset(lo + m * k, 0, (padded - m) * k);
+  at::parallel_for(0, m * k / 32, 256, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const __m512i v = _mm512_loadu_si512(codes + c * 32);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c * 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c * 32), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xff))));
+    }
+  });
+  const int64_t blocks = n / OUTS, pairs = (blocks + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    load_tile_config();
+    std::vector<int8_t> b_tiles(2 * k * OUTS);
+    alignas(64) float acc[TILE_ROWS * 2 * OUTS];
+    alignas(64) int32_t c_buf[2 * TILE_ROWS * OUTS];
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b = 2 * p;
+      const bool two = b + 1 < blocks;
+      gather_b_tiles(lanes, k, b, b_tiles.data());
+      if (two) gather_b_tiles(lanes, k, b + 1, b_tiles.data() + k * OUTS);
+      const int64_t width = two ? 2 * OUTS : OUTS;
+      for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+        const int64_t rows = std::min(TILE_ROWS, m - r0);
+        if (two) {
+          row_tile<2>(hi, lo, scales, r0, rows, k, group, b_tiles.data(), k * OUTS, acc, c_buf);
+        } else {
+          row_tile<1>(hi, lo, scales, r0, rows, k, group, b_tiles.data(), k * OUTS, acc, c_buf);
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t j = 0; j < width; j += OUTS) {
+            const __m512 ws = _mm512_loadu_ps(wscale + b * OUTS + j);
+            _mm512_storeu_ps(y + (r0 + r) * n + b * OUTS + j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * width + j), ws));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return true;
+}
+
+#else
+
+bool available() { return false; }
+
+bool linear_w8a16(const int16_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*) { return false; }
+
+#endif
+
+}  // namespace ember_amx
