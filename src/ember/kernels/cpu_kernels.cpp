@@ -531,9 +531,14 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
   with_ptr(out, [&](auto* op) {
     if (tasks >= 4 * at::get_num_threads()) {
       // Many rows: whole (row, kv head) tasks per thread, partials in a local buffer.
+      // A prompt chunk's rows grow in context: dealt in zigzag order (first,
+      // last, second, second to last, ...), every thread's contiguous share
+      // holds short and long rows alike (in row order, the last thread did 3x
+      // the first one's work on a fresh 512-token chunk).
       at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(group * span_len), partial;
-        for (int64_t task = begin; task < end; ++task) {
+        for (int64_t dealt = begin; dealt < end; ++dealt) {
+          const int64_t task = dealt % 2 == 0 ? dealt / 2 : tasks - 1 - dealt / 2;
           const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
           const int64_t n = (lens[b] + span_len - 1) / span_len;
           partial.resize(n * stride);
