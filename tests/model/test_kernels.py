@@ -342,3 +342,66 @@ def test_pack_kv_int8_gathers_and_quantizes_to_the_same_bits_as_torch(k, head_di
     assert torch.equal(scales.view_as(expected.scales), expected.scales)
     with pytest.raises(RuntimeError, match="out of range"):
         k.pack_kv_int8(kv.view(layers, 2, blocks, -1), torch.tensor([blocks]), head_dim)
+
+
+def _inverse_cdf_by_definition(row: torch.Tensor, temperature: float, top_p: float, min_p: float, u: float) -> int:
+    """sample_rows' contract written out in float64: nucleus in descending order, min-p, then the first
+    kept token whose cumulative weight exceeds u times the kept total."""
+    x = torch.nan_to_num(row.double() / temperature, nan=-3e38, posinf=3e38, neginf=-3e38)
+    e = torch.exp(x - x.max())
+    order = sorted(range(len(e)), key=lambda i: (-float(e[i]), i))
+    kept, before = [], 0.0
+    for i in order:
+        if kept and top_p < 1.0 and before >= top_p * float(e.sum()):
+            break
+        kept.append(i)
+        before += float(e[i])
+    kept = [i for i in kept if float(e[i]) >= min_p]
+    total = sum(float(e[i]) for i in kept)
+    cumulative = 0.0
+    for i in kept:
+        cumulative += float(e[i])
+        if cumulative > u * total:
+            return i
+    return kept[-1]
+
+
+@pytest.mark.parametrize(
+    ("tail", "temperature", "top_p", "min_p"),
+    [
+        (None, 0.7, 0.9, 0.0),  # a peaked row: the nucleus is a few tokens above the first cutoff (1e-2)
+        (None, 1.0, 1.0, 0.05),  # no top-p: min-p over the whole row, in id order
+        (-6.0, 1.0, 0.9, 0.0),  # tail tokens of e ~ 2.5e-3 hold most of the mass: the 1e-4 cutoff
+        (-11.0, 1.0, 0.97, 0.0),  # tail tokens of e ~ 1.7e-5 are needed: the 1e-6 cutoff
+        (-14.5, 1.0, 0.9995, 0.0),  # tail tokens of e ~ 5e-7 are needed: every token is sorted
+    ],
+)
+def test_sample_rows_draws_the_inverse_cdf_of_the_kept_tokens(k, tail, temperature, top_p, min_p):
+    """Away from the boundaries between tokens (where float32 and float64 sums may disagree), the
+    token for each uniform is exactly the definition's: nucleus, min-p and inverse CDF; at u near 1
+    the draw lands in the nucleus's last tokens, so the cutoff chosen kept every token it needed."""
+    torch.manual_seed(11)
+    v = 4000
+    if tail is None:
+        row = torch.randn(v) * 2.0
+        row[:5] += 9.0
+    else:  # one token of e = 1, then tail tokens on 100 levels 1e-3 apart (ties broken by id, as specified)
+        row = torch.full((v,), tail) + torch.randint(0, 100, (v,)) * 1e-3
+        row[7] = 0.0
+    row[3] = float("nan")
+    row[4] = float("-inf")
+    logits = row[None].contiguous()
+    params = [torch.tensor([value], dtype=torch.float32) for value in (temperature, top_p, min_p)]
+    draw = lambda u: int(k.sample_rows(logits, *params, torch.tensor([u], dtype=torch.float32)))  # noqa: E731
+    checked = 0
+    for u in torch.linspace(0.003, 0.997, 60).tolist() + torch.linspace(0.9, 0.999, 40).tolist():
+        expected = _inverse_cdf_by_definition(row, temperature, top_p, min_p, u)
+        neighbours = {_inverse_cdf_by_definition(row, temperature, top_p, min_p, u + d) for d in (-3e-6, 3e-6)}
+        if neighbours != {expected}:
+            continue  # u sits on a boundary between two tokens
+        assert draw(u) == expected, u
+        checked += 1
+    assert checked >= 30
+    last = _inverse_cdf_by_definition(row, temperature, top_p, min_p, 0.9999999)
+    if tail is not None:
+        assert last != 7 and draw(0.9999999) != 7, "the nucleus reaches into the tail"

@@ -14,6 +14,8 @@ logits), as OpenAI reports them, not of the processed distribution.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ember.engine.constraints import TokenMasks
@@ -116,11 +118,21 @@ class Sampler:
 def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     """One draw per row of ``logits`` (N, V) at each request's temperature, top_p and min_p (no top_k).
 
-    The softmax and the candidate selection run over all rows at once; each
-    row then draws from its own generator over its kept candidates, so a
-    seeded row's token depends only on its logits and its generator.
-    ``logits`` is the caller's scratch copy: it is overwritten.
+    With the compiled kernels, one call does every row (``sample_rows``,
+    kernels/cpu_kernels.cpp: softmax, nucleus, min-p and an inverse-CDF draw
+    from one uniform of the row's own generator). Without them the softmax and
+    the candidate selection run over all rows at once, then each row draws from
+    its own generator over its kept candidates. Either way a seeded row's token
+    depends only on its logits and its generator; the two ways draw different
+    tokens for one seed (same distribution). ``logits`` is the caller's scratch
+    copy: it may be overwritten.
     """
+    kernels = _kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if kernels is not None:
+        params = [r.params for r in requests]
+        per_row = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32).t().contiguous()
+        uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in requests])
+        return kernels.sample_rows(logits.contiguous(), per_row[0], per_row[1], per_row[2], uniforms).tolist()
     temperatures = torch.tensor([r.params.temperature for r in requests], dtype=logits.dtype, device=logits.device)
     scaled = torch.nan_to_num_(logits.div_(temperatures[:, None]), nan=-3.0e38, posinf=3.0e38, neginf=-3.0e38)
     probs = torch.softmax(scaled, dim=-1)
@@ -143,6 +155,13 @@ def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         choice = int(torch.multinomial(values, 1, generator=request.generator))
         tokens.append(choice if indices is None else int(indices[choice]))
     return tokens
+
+
+def _kernels() -> Any:
+    """The compiled CPU kernels, or None (disabled or unbuildable): imported here, not at module load."""
+    from ember.kernels import cpu
+
+    return cpu.load()
 
 
 def _restrict(logits: torch.Tensor, requests: list[Request], masks: TokenMasks | None) -> torch.Tensor:

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <type_traits>
@@ -630,6 +631,175 @@ void silu_mul(Tensor out, Tensor gate_up) {
 
 
 // ---------------------------------------------------------------------------
+// Sampling a step's rows at once: temperature, top-p and min-p, then an inverse-CDF
+// draw with one uniform per row (drawn by the caller from the row's own
+// generator, so a seeded row's token depends only on its logits and its seed).
+//
+// Per row r, with x = logits[r] * (1 / temperature[r]) (NaN -> -3e38, +-inf -> +-3e38)
+// and e_i = exp(x_i - max x), so the largest e is exactly 1:
+//  * top-p (< 1): the tokens in descending e order (ties: lower id first) while
+//    the mass before them is below top_p * sum(e). Only tokens with e above a
+//    cutoff are sorted when they alone hold that mass: they are then a prefix
+//    of the full order, so the set is the same as sorting everything.
+//  * min-p: of those, the tokens with e >= min_p (min_p times the largest).
+//  * the token where the cumulative e of the kept tokens first exceeds u * total.
+// ---------------------------------------------------------------------------
+
+namespace {
+
+// Tokens with e above a cutoff are sorted alone when they hold top_p of the mass;
+// the first cutoff that does is taken (most rows: 1e-2, a few hundred tokens).
+constexpr int SAMPLE_CUTOFFS = 3;
+constexpr float SAMPLE_CUTOFF[SAMPLE_CUTOFFS] = {1e-2f, 1e-4f, 1e-6f};
+
+// e[i] = exp(x[i] - mx) in place; returns their sum (a fixed order per row length).
+float exp_shifted_row(float* e, int64_t v, float mx) {
+  int64_t i = 0;
+  float sum = 0.f;
+#ifdef EMBER_AVX512
+  __m512 vsum = _mm512_setzero_ps();
+  const __m512 vmx = _mm512_set1_ps(mx);
+  for (; i + 16 <= v; i += 16) {
+    const __m512 ev = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), vmx));
+    _mm512_storeu_ps(e + i, ev);
+    vsum = _mm512_add_ps(vsum, ev);
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#elif defined(EMBER_AVX2)
+  __m256 vsum = _mm256_setzero_ps();
+  const __m256 vmx = _mm256_set1_ps(mx);
+  for (; i + 8 <= v; i += 8) {
+    const __m256 ev = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(e + i), vmx));
+    _mm256_storeu_ps(e + i, ev);
+    vsum = _mm256_add_ps(vsum, ev);
+  }
+  sum = hsum8(vsum);
+#endif
+  for (; i < v; ++i) {
+    e[i] = std::exp(e[i] - mx);
+    sum += e[i];
+  }
+  return sum;
+}
+
+int64_t sample_row(const float* logits, int64_t v, float temperature, float top_p, float min_p, float u, float* e,
+                   std::vector<int32_t>& order) {
+  const float inv_t = 1.f / temperature;
+  float mx = -INFINITY;
+  int64_t i0 = 0;
+#ifdef EMBER_AVX512
+  {
+    const __m512 vinv = _mm512_set1_ps(inv_t), lo = _mm512_set1_ps(-3.0e38f), hi = _mm512_set1_ps(3.0e38f);
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    for (; i0 + 16 <= v; i0 += 16) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(logits + i0), vinv);
+      // max(x, lo) returns lo for a NaN x (its second operand): NaN -> -3e38, as below.
+      const __m512 clean = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+      _mm512_storeu_ps(e + i0, clean);
+      vmx = _mm512_max_ps(vmx, clean);
+    }
+    mx = _mm512_reduce_max_ps(vmx);
+  }
+#endif
+  for (int64_t i = i0; i < v; ++i) {
+    const float x = logits[i] * inv_t;
+    const float clean = x != x ? -3.0e38f : std::min(3.0e38f, std::max(-3.0e38f, x));
+    e[i] = clean;
+    mx = std::max(mx, clean);
+  }
+  const float sum = exp_shifted_row(e, v, mx);
+  int64_t kept = v;
+  order.clear();
+  if (top_p < 1.f) {
+    const float need = top_p * sum;
+    // The highest cutoff whose tokens alone hold top_p of the mass (one pass for all of them).
+    float mass[SAMPLE_CUTOFFS] = {};
+    int64_t i0 = 0;
+#ifdef EMBER_AVX512
+    {
+      __m512 vmass[SAMPLE_CUTOFFS];
+      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) vmass[c] = _mm512_setzero_ps();
+      for (; i0 + 16 <= v; i0 += 16) {
+        const __m512 ev = _mm512_loadu_ps(e + i0);
+        for (int c = 0; c < SAMPLE_CUTOFFS; ++c) {
+          const __mmask16 above = _mm512_cmp_ps_mask(ev, _mm512_set1_ps(SAMPLE_CUTOFF[c]), _CMP_GT_OQ);
+          vmass[c] = _mm512_mask_add_ps(vmass[c], above, vmass[c], ev);
+        }
+      }
+      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = _mm512_reduce_add_ps(vmass[c]);
+    }
+#endif
+    for (int64_t i = i0; i < v; ++i) {
+      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] += e[i] > SAMPLE_CUTOFF[c] ? e[i] : 0.f;
+    }
+    int c = 0;
+    while (c < SAMPLE_CUTOFFS && mass[c] < need) ++c;
+    const float cutoff = c < SAMPLE_CUTOFFS ? SAMPLE_CUTOFF[c] : -1.f;  // -1: every token
+    int64_t i = 0;
+#ifdef EMBER_AVX512
+    for (const __m512 vcut = _mm512_set1_ps(cutoff); i + 16 <= v; i += 16) {
+      for (__mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(e + i), vcut, _CMP_GT_OQ); above; above &= above - 1) {
+        order.push_back(static_cast<int32_t>(i + __builtin_ctz(above)));
+      }
+    }
+#endif
+    for (; i < v; ++i) {
+      if (e[i] > cutoff) order.push_back(static_cast<int32_t>(i));
+    }
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return e[a] > e[b] || (e[a] == e[b] && a < b); });
+    float before = 0.f;
+    kept = 0;
+    for (int32_t id : order) {  // the first token always stays
+      if (kept > 0 && before >= need) break;
+      before += e[id];
+      ++kept;
+    }
+  }
+  auto id_at = [&](int64_t j) -> int64_t { return order.empty() ? j : order[j]; };
+  float total = 0.f;
+  for (int64_t j = 0; j < kept; ++j) {
+    const float w = e[id_at(j)];
+    if (w >= min_p) total += w;
+  }
+  const float target = u * total;
+  float cumulative = 0.f;
+  int64_t last = id_at(0);  // the largest e is 1 >= any min_p <= 1, so some token qualifies
+  for (int64_t j = 0; j < kept; ++j) {
+    const int64_t id = id_at(j);
+    const float w = e[id];
+    if (w < min_p) continue;
+    last = id;
+    cumulative += w;
+    if (cumulative > target) return id;
+  }
+  return last;  // u * total rounded up to the total
+}
+
+}  // namespace
+
+// tokens (N,) int64: one draw per row of logits (N, V) float32; temperature, top_p,
+// min_p and uniform (N,) float32. Rows are independent (any thread, any batch).
+Tensor sample_rows(Tensor logits, Tensor temperature, Tensor top_p, Tensor min_p, Tensor uniform) {
+  check_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat, "sample_rows: logits must be float32 (N, V)");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  for (const Tensor* t : {&temperature, &top_p, &min_p, &uniform}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->numel() == n && t->is_contiguous(), "sample_rows: per-row parameters must be float32 (N,)");
+  }
+  TORCH_CHECK(v > 0 && v < (int64_t{1} << 31), "sample_rows: vocabulary size out of range");
+  Tensor tokens = torch::empty({n}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  const float *tp = temperature.data_ptr<float>(), *pp = top_p.data_ptr<float>(), *mp = min_p.data_ptr<float>(), *up = uniform.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> e(v);
+    std::vector<int32_t> order;
+    for (int64_t r = r0; r < r1; ++r) out[r] = sample_row(lp + r * v, v, tp[r], pp[r], mp[r], up[r], e.data(), order);
+  });
+  return tokens;
+}
+
+// ---------------------------------------------------------------------------
 // int8 weight-only GEMV for the memory-bound decode rows.
 //
 // torch's int8pack kernel reaches ~11 GB/s of weight bandwidth with two threads
@@ -1022,5 +1192,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, no_gil());
   m.def("paged_attention", &paged_attention, no_gil());
   m.def("silu_mul", &silu_mul, no_gil());
+  m.def("sample_rows", &sample_rows, no_gil());
   m.def("pack_kv_int8", &pack_kv_int8, no_gil());
 }
