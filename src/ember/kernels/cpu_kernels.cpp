@@ -309,17 +309,27 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
   }
 }
 
+// Every accumulator sums its tokens in order (acc = fma(p_t, v_t, acc)). With
+// AVX-512 all G x C accumulators advance together, token by token: G x C
+// independent chains keep the FMA units busy, where one chunk at a time left G
+// chains waiting on the FMA latency (measured 2x slower). AVX2's 16 registers
+// hold one chunk's G accumulators. Either order gives each accumulator the same sequence.
 template <int G, int C>
 void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc) {
-  for (int c = 0; c < C; ++c) {
-    VecF a[G];
-    for (int g = 0; g < G; ++g) a[g] = vzero();
+  constexpr int CHUNKS = (G * C + 2 * C <= 28) ? C : 1;  // chunks advanced together
+  for (int c0 = 0; c0 < C; c0 += CHUNKS) {
+    VecF a[CHUNKS][G];
+    for (int c = 0; c < CHUNKS; ++c)
+      for (int g = 0; g < G; ++g) a[c][g] = vzero();
     for (int64_t t = 0; t < len; ++t) {
-      if (c == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
-      const VecF v = vload(vc + rows[t] + c * VW);
-      for (int g = 0; g < G; ++g) a[g] = vfmadd(vset1(probs[g * len + t]), v, a[g]);
+      if (c0 == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const VecF v = vload(vc + rows[t] + (c0 + c) * VW);
+        for (int g = 0; g < G; ++g) a[c][g] = vfmadd(vset1(probs[g * len + t]), v, a[c][g]);
+      }
     }
-    for (int g = 0; g < G; ++g) vstore(acc + g * C * VW + c * VW, a[g]);
+    for (int c = 0; c < CHUNKS; ++c)
+      for (int g = 0; g < G; ++g) vstore(acc + g * C * VW + (c0 + c) * VW, a[c][g]);
   }
 }
 
@@ -394,7 +404,17 @@ __attribute__((noinline)) void attend_span(const float* qb, const float* kc, con
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * len;
     float mx = row[0];
-    for (int64_t t = 1; t < len; ++t) mx = std::max(mx, row[t]);
+    int64_t t0 = 1;
+#ifdef EMBER_AVX512
+    // The max is exact in any order: 16 lanes, then across them (one scalar
+    // chain of dependent max instructions was half of this function's time).
+    {
+      __m512 vmx = _mm512_set1_ps(mx);
+      for (; t0 + 16 <= len; t0 += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(row + t0), vmx);
+      mx = _mm512_reduce_max_ps(vmx);
+    }
+#endif
+    for (int64_t t = t0; t < len; ++t) mx = std::max(mx, row[t]);
     float sum = 0.f;
     int64_t t = 0;
 #ifdef EMBER_AVX512
