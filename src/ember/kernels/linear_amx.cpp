@@ -174,22 +174,29 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
   const int64_t blocks = n / OUTS, pairs = (blocks + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     load_tile_config();
-    std::vector<int8_t> b_tiles(2 * k * OUTS);
+    // This thread's weights, as B tiles, once (at most half the model's largest
+    // linear: it stays in L2); then each row tile's activations (in L1) meet
+    // every pair in turn. The other order streamed all of A from L2 or beyond per pair.
+    const int64_t pair_bytes = 2 * k * OUTS;
+    std::unique_ptr<int8_t[]> b_tiles(new int8_t[(p1 - p0) * pair_bytes]);
+    for (int64_t p = p0; p < p1; ++p) {
+      gather_b_tiles(lanes, k, 2 * p, b_tiles.get() + (p - p0) * pair_bytes);
+      if (2 * p + 1 < blocks) gather_b_tiles(lanes, k, 2 * p + 1, b_tiles.get() + (p - p0) * pair_bytes + k * OUTS);
+    }
     alignas(64) float acc[TILE_ROWS * 2 * OUTS];
     alignas(64) int32_t c_buf[2 * TILE_ROWS * OUTS];
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t b = 2 * p;
-      const bool two = b + 1 < blocks;
-      gather_b_tiles(lanes, k, b, b_tiles.data());
-      if (two) gather_b_tiles(lanes, k, b + 1, b_tiles.data() + k * OUTS);
-      const int64_t width = two ? 2 * OUTS : OUTS;
-      for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
-        const int64_t rows = std::min(TILE_ROWS, m - r0);
+    for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
+      const int64_t rows = std::min(TILE_ROWS, m - r0);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t b = 2 * p;
+        const bool two = b + 1 < blocks;
+        const int8_t* tiles = b_tiles.get() + (p - p0) * pair_bytes;
         if (two) {
-          row_tile<2>(hi, lo, scales, r0, rows, k, group, b_tiles.data(), k * OUTS, acc, c_buf);
+          row_tile<2>(hi, lo, scales, r0, rows, k, group, tiles, k * OUTS, acc, c_buf);
         } else {
-          row_tile<1>(hi, lo, scales, r0, rows, k, group, b_tiles.data(), k * OUTS, acc, c_buf);
+          row_tile<1>(hi, lo, scales, r0, rows, k, group, tiles, k * OUTS, acc, c_buf);
         }
+        const int64_t width = two ? 2 * OUTS : OUTS;
         for (int64_t r = 0; r < rows; ++r) {
           for (int64_t j = 0; j < width; j += OUTS) {
             const __m512 ws = _mm512_loadu_ps(wscale + b * OUTS + j);
