@@ -243,6 +243,45 @@ inline __m256 exp8_ps(__m256 x) {
 }
 #endif
 
+// row[t] = exp(row[t] - mx) in place, and their sum: in vector lanes, then
+// across them, in a fixed order for a given length (softmax in attention and
+// in sample_rows).
+float exp_shifted_sum(float* row, int64_t len, float mx) {
+  float sum = 0.f;
+  int64_t t = 0;
+#ifdef EMBER_AVX512
+  const __m512 vmx = _mm512_set1_ps(mx);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; t + 16 <= len; t += 16) {
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), vmx));
+    _mm512_storeu_ps(row + t, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (t < len) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), vmx));
+    _mm512_mask_storeu_ps(row + t, tail, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
+    t = len;
+  }
+  sum = _mm512_reduce_add_ps(vsum);
+#elif defined(EMBER_AVX2)
+  const __m256 vmx = _mm256_set1_ps(mx);
+  __m256 vsum = _mm256_setzero_ps();
+  for (; t + 8 <= len; t += 8) {
+    const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), vmx));
+    _mm256_storeu_ps(row + t, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum8(vsum);  // the tail (under 8 tokens) follows in the scalar loop
+#endif
+  for (; t < len; ++t) {
+    row[t] = std::exp(row[t] - mx);
+    sum += row[t];
+  }
+  return sum;
+}
+
 struct AttentionSpan {
   int64_t seq, kv_head, begin, end;
 };
@@ -415,38 +454,7 @@ __attribute__((noinline)) void attend_span(const float* qb, const float* kc, con
     }
 #endif
     for (int64_t t = t0; t < len; ++t) mx = std::max(mx, row[t]);
-    float sum = 0.f;
-    int64_t t = 0;
-#ifdef EMBER_AVX512
-    const __m512 vmx = _mm512_set1_ps(mx);
-    __m512 vsum = _mm512_setzero_ps();
-    for (; t + 16 <= len; t += 16) {
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + t), vmx));
-      _mm512_storeu_ps(row + t, e);
-      vsum = _mm512_add_ps(vsum, e);
-    }
-    if (t < len) {
-      const __mmask16 tail = static_cast<__mmask16>((1u << (len - t)) - 1);
-      const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + t), vmx));
-      _mm512_mask_storeu_ps(row + t, tail, e);
-      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, e));
-      t = len;
-    }
-    sum = _mm512_reduce_add_ps(vsum);
-#elif defined(EMBER_AVX2)
-    const __m256 vmx = _mm256_set1_ps(mx);
-    __m256 vsum = _mm256_setzero_ps();
-    for (; t + 8 <= len; t += 8) {
-      const __m256 e = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(row + t), vmx));
-      _mm256_storeu_ps(row + t, e);
-      vsum = _mm256_add_ps(vsum, e);
-    }
-    sum = hsum8(vsum);  // the tail (under 8 tokens) follows in the scalar loop
-#endif
-    for (; t < len; ++t) {
-      row[t] = std::exp(row[t] - mx);
-      sum += row[t];
-    }
+    const float sum = exp_shifted_sum(row, len, mx);
     m_out[g] = mx;
     l_out[g] = sum;
   }
@@ -672,36 +680,6 @@ namespace {
 constexpr int SAMPLE_CUTOFFS = 3;
 constexpr float SAMPLE_CUTOFF[SAMPLE_CUTOFFS] = {1e-2f, 1e-4f, 1e-6f};
 
-// e[i] = exp(x[i] - mx) in place; returns their sum (a fixed order per row length).
-float exp_shifted_row(float* e, int64_t v, float mx) {
-  int64_t i = 0;
-  float sum = 0.f;
-#ifdef EMBER_AVX512
-  __m512 vsum = _mm512_setzero_ps();
-  const __m512 vmx = _mm512_set1_ps(mx);
-  for (; i + 16 <= v; i += 16) {
-    const __m512 ev = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(e + i), vmx));
-    _mm512_storeu_ps(e + i, ev);
-    vsum = _mm512_add_ps(vsum, ev);
-  }
-  sum = _mm512_reduce_add_ps(vsum);
-#elif defined(EMBER_AVX2)
-  __m256 vsum = _mm256_setzero_ps();
-  const __m256 vmx = _mm256_set1_ps(mx);
-  for (; i + 8 <= v; i += 8) {
-    const __m256 ev = exp8_ps(_mm256_sub_ps(_mm256_loadu_ps(e + i), vmx));
-    _mm256_storeu_ps(e + i, ev);
-    vsum = _mm256_add_ps(vsum, ev);
-  }
-  sum = hsum8(vsum);
-#endif
-  for (; i < v; ++i) {
-    e[i] = std::exp(e[i] - mx);
-    sum += e[i];
-  }
-  return sum;
-}
-
 int64_t sample_row(const float* logits, int64_t v, float temperature, float top_p, float min_p, float u, float* e,
                    std::vector<int32_t>& order) {
   const float inv_t = 1.f / temperature;
@@ -727,7 +705,7 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
     e[i] = clean;
     mx = std::max(mx, clean);
   }
-  const float sum = exp_shifted_row(e, v, mx);
+  const float sum = exp_shifted_sum(e, v, mx);
   int64_t kept = v;
   order.clear();
   if (top_p < 1.f) {
