@@ -13,7 +13,7 @@ from benchmarks.cli import main
 def test_engine_bench_writes_figures(tmp_path, capsys):
     out = tmp_path / "engine.json"
     assert main(["engine", "--no-reference", "--decode-tokens", "8", "--prefill-tokens", "64",
-                 "--concurrency", "2", "--aggregate-tokens", "4", "--out", str(out)]) == 0
+                 "--concurrency", "2", "--aggregate-tokens", "4", "--repeats", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["ember"]
     assert [r["mode"] for r in rows] == ["float32/int8, batch-invariant", "float32/int8, previous kernels"]
     for figures in rows:

@@ -344,26 +344,31 @@ def test_pack_kv_int8_gathers_and_quantizes_to_the_same_bits_as_torch(k, head_di
         k.pack_kv_int8(kv.view(layers, 2, blocks, -1), torch.tensor([blocks]), head_dim)
 
 
-def _inverse_cdf_by_definition(row: torch.Tensor, temperature: float, top_p: float, min_p: float, u: float) -> int:
-    """sample_rows' contract written out in float64: nucleus in descending order, min-p, then the first
-    kept token whose cumulative weight exceeds u times the kept total."""
+def _kept_by_definition(row: torch.Tensor, temperature: float, top_p: float, min_p: float) -> tuple[list[int], list[float]]:
+    """sample_rows' contract written out in float64, up to the draw: the nucleus in descending order
+    (ties: lower id first), then min-p. Returns the kept ids in that order and their weights."""
     x = torch.nan_to_num(row.double() / temperature, nan=-3e38, posinf=3e38, neginf=-3e38)
-    e = torch.exp(x - x.max())
-    order = sorted(range(len(e)), key=lambda i: (-float(e[i]), i))
-    kept, before = [], 0.0
+    e = torch.exp(x - x.max()).tolist()
+    order = sorted(range(len(e)), key=lambda i: (-e[i], i))
+    total, kept, before = sum(e), [], 0.0
     for i in order:
-        if kept and top_p < 1.0 and before >= top_p * float(e.sum()):
+        if kept and top_p < 1.0 and before >= top_p * total:
             break
         kept.append(i)
-        before += float(e[i])
-    kept = [i for i in kept if float(e[i]) >= min_p]
-    total = sum(float(e[i]) for i in kept)
-    cumulative = 0.0
-    for i in kept:
-        cumulative += float(e[i])
+        before += e[i]
+    kept = [i for i in kept if e[i] >= min_p]
+    return kept, [e[i] for i in kept]
+
+
+def _inverse_cdf(kept: tuple[list[int], list[float]], u: float) -> int:
+    """The first kept token whose cumulative weight exceeds u times the kept total."""
+    ids, weights = kept
+    total, cumulative = sum(weights), 0.0
+    for i, w in zip(ids, weights, strict=True):
+        cumulative += w
         if cumulative > u * total:
             return i
-    return kept[-1]
+    return ids[-1]
 
 
 @pytest.mark.parametrize(
@@ -393,15 +398,16 @@ def test_sample_rows_draws_the_inverse_cdf_of_the_kept_tokens(k, tail, temperatu
     logits = row[None].contiguous()
     params = [torch.tensor([value], dtype=torch.float32) for value in (temperature, top_p, min_p)]
     draw = lambda u: int(k.sample_rows(logits, *params, torch.tensor([u], dtype=torch.float32)))  # noqa: E731
+    kept = _kept_by_definition(row, temperature, top_p, min_p)
     checked = 0
     for u in torch.linspace(0.003, 0.997, 60).tolist() + torch.linspace(0.9, 0.999, 40).tolist():
-        expected = _inverse_cdf_by_definition(row, temperature, top_p, min_p, u)
-        neighbours = {_inverse_cdf_by_definition(row, temperature, top_p, min_p, u + d) for d in (-3e-6, 3e-6)}
+        expected = _inverse_cdf(kept, u)
+        neighbours = {_inverse_cdf(kept, u + d) for d in (-3e-6, 3e-6)}
         if neighbours != {expected}:
             continue  # u sits on a boundary between two tokens
         assert draw(u) == expected, u
         checked += 1
     assert checked >= 30
-    last = _inverse_cdf_by_definition(row, temperature, top_p, min_p, 0.9999999)
+    last = _inverse_cdf(kept, 0.9999999)
     if tail is not None:
         assert last != 7 and draw(0.9999999) != 7, "the nucleus reaches into the tail"
