@@ -105,7 +105,6 @@ class ModelRunner:
         decodes = [s.request for s in sched.decodes]
         verify_rows: list[int] = []  # after the sampled rows: see RunnerOutput
         if decodes:
-            ctx_lens = []
             for item in sched.decodes:
                 r, p = item.request, item.request.num_computed_tokens
                 draft = r.draft.tokens if item.num_draft_tokens and r.draft is not None else []
@@ -115,12 +114,12 @@ class ModelRunner:
                 ids.extend(draft)
                 pos.extend(range(p, p + 1 + len(draft)))
                 slots.extend(r.block_ids[q // bs] * bs + q % bs for q in range(p, p + 1 + len(draft)))
-                ctx_lens.append(p + 1)
                 if not draft:
                     sampled.append(r)
             meta.num_decode_tokens = len(decodes)
             assert unified or not verify_rows, "drafts are verified on the batch-invariant path only"
-        if decodes and not unified:
+        if decodes and not unified:  # the unified path set its lengths per token in _unified_attention
+            ctx_lens = [r.num_computed_tokens + 1 for r in decodes]
             table = self._block_table(decodes)
             lens = torch.tensor(ctx_lens, device=self.device)
             if self.model.kernels is not None:  # the fused kernel reads block tables directly
