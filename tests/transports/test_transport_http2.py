@@ -19,7 +19,15 @@ STREAMS = 50
 
 
 def _body(i: int, max_tokens: int = 8) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": f"Count from {i} upwards."}], "stream": True, "max_tokens": max_tokens, "ignore_eos": True}
+    # A deadline as long as the client's: these tests are about the transport, and under the
+    # default 10 s a slow CPU (2 GHz, AVX2) ends the last of fifty prompts before its first token.
+    return {
+        "messages": [{"role": "user", "content": f"Count from {i} upwards."}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "timeout": 120,
+    }
 
 
 async def _stream(
