@@ -25,10 +25,12 @@ are printed as quoted, labelled as such.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,8 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
         "--modes",
-        default="float32:int8,float32:int8:previous",
-        help="comma-separated dtype:quantization[:previous] to measure; ':previous' takes the previous per-shape kernels (--no-batch-invariant)",
+        default="float32:int8,float32:int8:avx2,float32:int8:previous",
+        help="comma-separated dtype:quantization[:previous|:avx2] to measure; ':previous' takes the previous per-shape kernels "
+        "(--no-batch-invariant), ':avx2' the batch-invariant W8A16 kernel without its AVX-512 VNNI and AMX paths (the previous default on "
+        "CPUs without AMX; the same bits)",
     )
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
@@ -83,8 +87,11 @@ def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     rows: list[EngineFigures] = []
     for mode in args.modes.split(","):
-        dtype, quantization, *previous = mode.split(":")
-        rows.append(measure_engine(args, dtype, quantization, batch_invariant=not previous))
+        dtype, quantization, *flags = mode.split(":")
+        with _w8a16_isa(avx2_only="avx2" in flags):
+            rows.append(measure_engine(args, dtype, quantization, batch_invariant="previous" not in flags))
+        if "avx2" in flags:
+            rows[-1].mode = f"{dtype}/{quantization}, previous default (AVX2)"
     reference = None if args.no_reference else measure_transformers(args)
     llama_cpp = measure_llama_cpp(args)
     _print(rows, reference, llama_cpp, args)
@@ -97,6 +104,23 @@ def main(args: argparse.Namespace) -> int:
             )
         )
     return 0
+
+
+@contextlib.contextmanager
+def _w8a16_isa(avx2_only: bool) -> Iterator[None]:
+    """With ``avx2_only``, the W8A16 kernel runs without its AVX-512 VNNI and AMX paths (the same bits) while inside."""
+    from ember.kernels import cpu
+
+    kernels = cpu.load() if avx2_only else None
+    if kernels is None:
+        yield
+        return
+    previous = kernels.set_vnni_enabled(False), kernels.set_amx_enabled(False)
+    try:
+        yield
+    finally:
+        kernels.set_vnni_enabled(previous[0])
+        kernels.set_amx_enabled(previous[1])
 
 
 def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):

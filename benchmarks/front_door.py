@@ -1,7 +1,8 @@
 """``python -m benchmarks front-door``: what a user gets through ``make serve``, next to the engine in process.
 
 One run measures the same workloads three ways and prints them side by side
-with the ratio HTTP / in process:
+with the ratio HTTP / in process (in process and HTTP take turns, ``--rounds``
+times, and each figure is the median of its rounds):
 
 * **in process**: ``AsyncEngine.for_model`` in this process, the arrangement
   the server uses (the engine built and stepped on its own thread), driven
@@ -238,8 +239,10 @@ async def multiturn(front: Front, figures: Figures, conversations: int, turns: i
     figures.put("multiturn_ttft_last_s", statistics.fmean(ttfts[-1] for ttfts in by_conversation))
 
 
-async def measure(front: Front, args: argparse.Namespace, *, full: bool = True) -> Figures:
-    rng = random.Random(f"{args.seed}:front-door")
+async def measure(front: Front, args: argparse.Namespace, *, full: bool = True, round_index: int = 0) -> Figures:
+    """One round of the workloads. Each round has its own prompts (so no round hits another's
+    cache); both fronts get the same prompts in a round."""
+    rng = random.Random(f"{args.seed}:front-door:{round_index}")
     figures = Figures()
     await single_stream(front, figures, args.runs)
     await concurrent_streams(front, figures, 16, rng)
@@ -256,30 +259,50 @@ async def measure(front: Front, args: argparse.Namespace, *, full: bool = True) 
 # ---------------------------------------------------------------------------
 
 
-async def _in_process(args: argparse.Namespace, previous: bool) -> Figures:
+def median_of_rounds(rounds: list[Figures]) -> Figures:
+    """Each figure's median over the rounds."""
+    merged = Figures()
+    for key in rounds[0].values:
+        merged.put(key, statistics.median(r.values[key] for r in rounds))
+    return merged
+
+
+async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, Figures]:
+    """In process and through HTTP, round by round: in process, then HTTP, then again.
+
+    Both engines stay loaded and take turns (the idle one sleeps), so a stretch
+    where this shared machine runs slower lands on both columns instead of one:
+    measured one after the other, the ratio moved by 0.2 between runs here.
+    """
+    from ember.config import EngineConfig
+    from ember.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine.for_model(None, EngineConfig(threads=args.threads))
+    await engine.start_async()
+    http = HTTPFront(url)
+    in_process: list[Figures] = []
+    through_http: list[Figures] = []
+    try:
+        for index in range(args.rounds):
+            in_process.append(await measure(InProcessFront(engine), args, full=not args.quick, round_index=index))
+            through_http.append(await measure(http, args, full=not args.quick, round_index=index))
+    finally:
+        await http.close()
+        engine.stop()
+    return median_of_rounds(in_process), median_of_rounds(through_http)
+
+
+async def _previous_arrangement(args: argparse.Namespace) -> Figures:
     from ember.config import EngineConfig
     from ember.engine.async_engine import AsyncEngine
     from ember.engine.engine import LLMEngine
 
-    config = EngineConfig(threads=args.threads)
-    if previous:
-        engine = AsyncEngine(LLMEngine(None, config))  # built here, stepped on the engine thread
-        await asyncio.to_thread(engine.start)
-    else:
-        engine = AsyncEngine.for_model(None, config)
-        await engine.start_async()
+    engine = AsyncEngine(LLMEngine(None, EngineConfig(threads=args.threads)))  # built here, stepped on the engine thread
+    await asyncio.to_thread(engine.start)
     try:
-        return await measure(InProcessFront(engine), args, full=not (previous or args.quick))
+        return await measure(InProcessFront(engine), args, full=False)
     finally:
         engine.stop()
-
-
-async def _through_http(url: str, args: argparse.Namespace) -> Figures:
-    front = HTTPFront(url)
-    try:
-        return await measure(front, args, full=not args.quick)
-    finally:
-        await front.close()
 
 
 ROWS: list[tuple[str, str, str, float, str]] = [
@@ -306,7 +329,8 @@ def report(engine: Figures, http: Figures, previous: Figures | None, meta: dict[
 
     lines = [
         (
-            f"Front door vs in process, one run ({meta['when']}; --threads {meta['threads']}; short prompts "
+            f"Front door vs in process, one run ({meta['when']}; --threads {meta['threads']}; {meta['rounds']} alternating rounds, "
+            f"medians; short prompts "
             f"~{engine.values.get('short_prompt_tokens', 0):.0f} tokens)"
         ),
         "",
@@ -329,6 +353,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--runs", type=int, default=3, help="single-stream and prefill runs, median (default %(default)s)")
     parser.add_argument("--ttft-requests", type=int, default=15, help="short-prompt TTFT requests (default %(default)s)")
     parser.add_argument("--qps-requests", type=int, default=8, help="50-token requests back to back (default %(default)s)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating in-process / HTTP rounds; each figure is their median (default %(default)s)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-previous", action="store_true", help="leave out the previous-arrangement column")
     parser.add_argument("--quick", action="store_true", help="single-stream decode and 16 streams only (what make test checks)")
@@ -340,11 +367,10 @@ def main(args: argparse.Namespace) -> int:
 
     root = Path(args.out or f"bench-results/front-door-{datetime.now():%Y%m%d-%H%M%S}")
     root.mkdir(parents=True, exist_ok=True)
-    engine = asyncio.run(_in_process(args, previous=False))
-    previous = None if args.skip_previous else asyncio.run(_in_process(args, previous=True))
     with ServerProcess("--request-timeout", "600", threads=args.threads) as server:  # make serve's defaults otherwise
-        http = asyncio.run(_through_http(server.url, args))
-    meta = {"when": datetime.now().isoformat(timespec="seconds"), "threads": args.threads}
+        engine, http = asyncio.run(_alternating(server.url, args))
+    previous = None if args.skip_previous else asyncio.run(_previous_arrangement(args))
+    meta = {"when": datetime.now().isoformat(timespec="seconds"), "threads": args.threads, "rounds": args.rounds}
     text = report(engine, http, previous, meta)
     (root / "front-door.md").write_text(text + "\n")
     (root / "front-door.json").write_text(

@@ -36,6 +36,8 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale);
 Tensor linear_f32_lanes(Tensor x, Tensor w);
 bool set_amx_enabled(bool enabled);
 bool amx_available();
+bool set_vnni_enabled(bool enabled);
+bool vnni_available();
 
 namespace {
 
@@ -1182,6 +1184,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_f32_lanes", &linear_f32_lanes, no_gil());
   m.def("set_amx_enabled", &set_amx_enabled);
   m.def("amx_available", &amx_available);
+  m.def("set_vnni_enabled", &set_vnni_enabled);
+  m.def("vnni_available", &vnni_available);
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());

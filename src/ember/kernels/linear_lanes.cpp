@@ -58,6 +58,7 @@ namespace {
 // the per-call weight reshuffle cost more than they save.
 constexpr int64_t AMX_MIN_ROWS = 5;
 bool amx_enabled = true;
+bool vnni_enabled = true;  // pair_w8a16_vnni where the build has it
 
 constexpr int64_t LANES = 8;         // outputs per weight vector
 constexpr int64_t QUANT_GROUP = 256;  // inputs per activation scale
@@ -309,7 +310,7 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
   const float* ws = scale.data_ptr<float>();
   if (amx_enabled && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>())) return y;
 #ifdef EMBER_VNNI512
-  if (m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
+  if (vnni_enabled && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
     for_lane_pairs(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
       pair_w8a16_vnni<decltype(rows)::value>(wp + b * k * LANES, cp + r * k, sp + r * groups, k, groups, ws + b * LANES, out, n);
     });
@@ -350,3 +351,21 @@ bool set_amx_enabled(bool enabled) {
 
 // Whether this CPU, kernel and build run W8A16 on AMX tiles.
 bool amx_available() { return ember_amx::available(); }
+
+// Whether W8A16 may use its AVX-512 VNNI kernel (on by default where the build has
+// it): with AMX off too, the benchmarks measure the AVX2 kernel, the previous
+// default, in the same run. Returns the previous setting.
+bool set_vnni_enabled(bool enabled) {
+  const bool previous = vnni_enabled;
+  vnni_enabled = enabled;
+  return previous;
+}
+
+// Whether this build (-march=native on this CPU) has the AVX-512 VNNI kernel.
+bool vnni_available() {
+#ifdef EMBER_VNNI512
+  return true;
+#else
+  return false;
+#endif
+}
