@@ -10,8 +10,9 @@ kernels by ``EngineConfig.batch_invariant``:
 * ``int8``: ``W ~ q * s`` with ``q`` int8 and one float scale per output
   channel. Batch-invariant (the default): W8A16 (``linear_w8a16``,
   kernels/linear_lanes.cpp): activations quantized per row to int16 in groups
-  of 256, exact integer dot products (on AMX tiles from five rows on, where
-  the CPU has them: kernels/linear_amx.cpp, the same bits), one fixed float epilogue; 1 byte per
+  of 256, exact integer dot products (on AMX tiles from five rows on, or with
+  AVX-512 VNNI from two, where the CPU has them: kernels/linear_amx.cpp and
+  linear_lanes.cpp, the same bits), one fixed float epilogue; 1 byte per
   weight for every row count, no second copy. Otherwise (the previous path,
   ``batch_invariant=False``): float32 activations on the int8 weights up to 8
   rows, a bfloat16 copy (packed for AVX512-BF16 up to 64 rows, row-major
