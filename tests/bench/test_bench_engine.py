@@ -15,7 +15,11 @@ def test_engine_bench_writes_figures(tmp_path, capsys):
     assert main(["engine", "--no-reference", "--decode-tokens", "8", "--prefill-tokens", "64",
                  "--concurrency", "2", "--aggregate-tokens", "4", "--repeats", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["ember"]
-    assert [r["mode"] for r in rows] == ["float32/int8, batch-invariant", "float32/int8, previous kernels"]
+    assert [r["mode"] for r in rows] == [
+        "float32/int8, batch-invariant",
+        "float32/int8, previous default (AVX2)",
+        "float32/int8, previous kernels",
+    ]
     for figures in rows:
         for key in ("decode_tps", "prefill_tps", "aggregate_tps", "aggregate_sampled_tps", "step_overhead_ms", "weight_bytes_per_param"):
             assert figures[key] > 0, key
