@@ -59,7 +59,8 @@ def test_the_deadline_is_the_grpc_deadline_and_the_server_lets_go(grpc_server: S
     with Client(grpc_server.grpc_url, transport="grpc", api_key=API_KEY) as client:
         started = time.monotonic()
         with pytest.raises(DeadlineExceeded):
-            client.chat("Tell me a long story.", max_tokens=400, ignore_eos=True, deadline_s=1.0)
+            # More tokens than any engine here streams in 1 s: the deadline must end the call.
+            client.chat("Tell me a long story.", max_tokens=1000, ignore_eos=True, deadline_s=1.0)
         assert time.monotonic() - started < 2.0
     wait_engine_idle(grpc_server, within_s=3.0)
 

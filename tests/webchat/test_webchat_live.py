@@ -130,7 +130,8 @@ def test_overload_shows_the_retry_after_wait_then_the_answer(browser: Browser, s
     failures: list[BaseException] = []
 
     def hold_the_only_slot() -> None:
-        body = {"messages": [{"role": "user", "content": "Count to one thousand."}], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        # Held until released (closing the stream aborts it): more tokens than the test takes to run.
+        body = {"messages": [{"role": "user", "content": "Count to one thousand."}], "max_tokens": 1000, "ignore_eos": True, "stream": True}
         try:
             with httpx.stream("POST", f"{server.url}/chat/completions", json=body, headers=AUTH, timeout=60) as response:
                 assert response.status_code == 200
