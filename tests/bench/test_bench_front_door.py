@@ -1,8 +1,9 @@
 """The front door keeps the engine's speed: `python -m benchmarks front-door --quick`, HTTP vs in process.
 
-Both figures come from one run of the bench in a fresh process (this test
-process has run engines on its main thread, which would slow an in-process
-engine here: see engine/compute_threads.py). The bound is generous, 0.6x, so
+Both figures come from one run of the bench in a fresh process, in process and
+HTTP taking turns over three rounds (this test process has run engines on its
+main thread, which would slow an in-process engine here: see
+engine/compute_threads.py). The bound is generous, 0.6x, so
 that only a real loss fails it: the arrangement fixed in issue 11 lost 60 %
 of single-stream decode through the server.
 """
@@ -23,7 +24,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # where `python -m benchmarks` 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_http_decode_and_16_streams_keep_the_in_process_speed(tmp_path):
-    cmd = [sys.executable, "-m", "benchmarks", "front-door", "--quick", "--skip-previous", "--runs", "2", "--out", str(tmp_path)]
+    # Three alternating rounds, medians: one slow stretch of this shared machine (a round at a
+    # quarter of the others' speed was seen here) moves no figure.
+    cmd = [sys.executable, "-m", "benchmarks", "front-door", "--quick", "--skip-previous", "--runs", "2", "--rounds", "3", "--out", str(tmp_path)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=REPO_ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads((tmp_path / "front-door.json").read_text())
