@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -30,7 +31,7 @@ import httpx
 import openai
 import pytest
 from deploy.test_deploy_files import PROMETHEUS_INTERNAL, exported_names, referenced_metric_names
-from server_process import ServerProcess, free_port, metric_value
+from server_process import ServerProcess, metric_value
 
 from ember.config import EngineConfig
 from ember.router.policy import rendezvous_order
@@ -63,14 +64,24 @@ def wait_until(predicate: Callable[[], Any], timeout_s: float, interval_s: float
 
 
 def two_free_ports() -> int:
-    """A port P such that P and P + 1 are free: the replicas' metrics ports (base + rank)."""
-    for _ in range(50):
-        base = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
+    """A port P such that P and P + 1 are free: the replicas' metrics ports (base + rank).
+
+    Chosen below the kernel's ephemeral range: between this check and the replicas binding
+    them, starting Ray opens many client sockets, and one of them took P + 1 once (a replica
+    then had no metrics port and the tests that read it failed)."""
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(10_000, max(10_002, ephemeral_low - 2))
+        try:
+            with socket.socket() as first, socket.socket() as second:
+                first.bind(("127.0.0.1", base))
+                second.bind(("127.0.0.1", base + 1))
+        except OSError:
+            continue
         return base
     raise RuntimeError("no two consecutive free ports")
 
