@@ -245,36 +245,22 @@ void block_f32(const float* wb, const float* x, int64_t k, float* out, int64_t o
 #endif
 }
 
-// Splits the N / 8 output blocks over the threads; each thread walks the rows in
-// tiles of ROW_TILE (kept in cache across its blocks), 4 rows at a time, then
-// one at a time. ``block(rows, row, b, out)`` computes rows x 8 outputs.
-template <typename Block>
+// Splits the output blocks over the threads, BLOCKS neighbouring 8-output blocks
+// per call; each thread walks the rows in tiles of ROW_TILE (kept in cache across
+// its blocks), WIDE rows at a time, then 4 (when WIDE is more), then one at a
+// time. ``block(rows, row, b, out)`` computes rows x (8 * BLOCKS) outputs from
+// block b on. n must be a multiple of 8 * BLOCKS.
+template <int BLOCKS, int WIDE, typename Block>
 void for_lane_blocks(int64_t m, int64_t n, float* y, Block block) {
-  const int64_t blocks = n / LANES;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  const int64_t units = n / (LANES * BLOCKS);
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t t0 = 0; t0 < m; t0 += ROW_TILE) {
       const int64_t t1 = std::min(m, t0 + ROW_TILE);
-      for (int64_t b = b0; b < b1; ++b) {
+      for (int64_t b = u0 * BLOCKS; b < u1 * BLOCKS; b += BLOCKS) {
         int64_t r = t0;
-        for (; r + 4 <= t1; r += 4) block(std::integral_constant<int, 4>{}, r, b, y + r * n + b * LANES);
-        for (; r < t1; ++r) block(std::integral_constant<int, 1>{}, r, b, y + r * n + b * LANES);
-      }
-    }
-  });
-}
-
-// for_lane_blocks for kernels that take two blocks (16 outputs) at a time: the
-// threads split the block pairs, and rows go 8 at a time, then 4, then 1.
-template <typename Block>
-void for_lane_pairs(int64_t m, int64_t n, float* y, Block block) {
-  const int64_t pairs = n / (2 * LANES);
-  at::parallel_for(0, pairs, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t t0 = 0; t0 < m; t0 += ROW_TILE) {
-      const int64_t t1 = std::min(m, t0 + ROW_TILE);
-      for (int64_t b = 2 * b0; b < 2 * b1; b += 2) {
-        int64_t r = t0;
-        for (; r + 8 <= t1; r += 8) block(std::integral_constant<int, 8>{}, r, b, y + r * n + b * LANES);
-        for (; r + 4 <= t1; r += 4) block(std::integral_constant<int, 4>{}, r, b, y + r * n + b * LANES);
+        for (; r + WIDE <= t1; r += WIDE) block(std::integral_constant<int, WIDE>{}, r, b, y + r * n + b * LANES);
+        if constexpr (WIDE > 4)
+          for (; r + 4 <= t1; r += 4) block(std::integral_constant<int, 4>{}, r, b, y + r * n + b * LANES);
         for (; r < t1; ++r) block(std::integral_constant<int, 1>{}, r, b, y + r * n + b * LANES);
       }
     }
@@ -311,13 +297,13 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
   if (amx_enabled && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>())) return y;
 #ifdef EMBER_VNNI512
   if (vnni_enabled && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
-    for_lane_pairs(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
+    for_lane_blocks<2, 8>(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
       pair_w8a16_vnni<decltype(rows)::value>(wp + b * k * LANES, cp + r * k, sp + r * groups, k, groups, ws + b * LANES, out, n);
     });
     return y;
   }
 #endif
-  for_lane_blocks(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
+  for_lane_blocks<1, 4>(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
     block_w8a16<decltype(rows)::value>(wp + b * k * LANES, cp + r * k, sp + r * groups, k, groups, ws + b * LANES, out, n);
   });
   return y;
@@ -334,7 +320,7 @@ Tensor linear_f32_lanes(Tensor x, Tensor w) {
   if (m == 0) return y;
   const float* xp = xf.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
-  for_lane_blocks(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
+  for_lane_blocks<1, 4>(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
     block_f32<decltype(rows)::value>(wp + b * k * LANES, xp + r * k, k, out, n);
   });
   return y;
