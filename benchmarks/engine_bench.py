@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes",
         default="float32:int8,float32:int8:avx2,float32:int8:previous",
         help="comma-separated dtype:quantization[:previous|:avx2] to measure; ':previous' takes the previous per-shape kernels "
-        "(--no-batch-invariant), ':avx2' the batch-invariant W8A16 kernel without its AVX-512 VNNI and AMX paths (the previous default on "
-        "CPUs without AMX; the same bits)",
+        "(--no-batch-invariant), ':avx2' the batch-invariant W8A16 kernel on its one-block AVX2 code, without its AVX-512 VNNI, AMX "
+        "and two-block AVX2 paths (the previous default; the same bits)",
     )
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
@@ -88,10 +88,9 @@ def main(args: argparse.Namespace) -> int:
     rows: list[EngineFigures] = []
     for mode in args.modes.split(","):
         dtype, quantization, *flags = mode.split(":")
+        label = "previous default (one-block AVX2)" if "avx2" in flags else None
         with _w8a16_isa(avx2_only="avx2" in flags):
-            rows.append(measure_engine(args, dtype, quantization, batch_invariant="previous" not in flags))
-        if "avx2" in flags:
-            rows[-1].mode = f"{dtype}/{quantization}, previous default (AVX2)"
+            rows.append(measure_engine(args, dtype, quantization, batch_invariant="previous" not in flags, label=label))
     reference = None if args.no_reference else measure_transformers(args)
     llama_cpp = measure_llama_cpp(args)
     _print(rows, reference, llama_cpp, args)
@@ -108,19 +107,21 @@ def main(args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _w8a16_isa(avx2_only: bool) -> Iterator[None]:
-    """With ``avx2_only``, the W8A16 kernel runs without its AVX-512 VNNI and AMX paths (the same bits) while inside."""
+    """With ``avx2_only``, the W8A16 kernel runs on its one-block AVX2 code, without its AVX-512 VNNI,
+    AMX and two-block AVX2 paths (the same bits), while inside."""
     from ember.kernels import cpu
 
     kernels = cpu.load() if avx2_only else None
     if kernels is None:
         yield
         return
-    previous = kernels.set_vnni_enabled(False), kernels.set_amx_enabled(False)
+    previous = kernels.set_vnni_enabled(False), kernels.set_amx_enabled(False), kernels.set_avx2_pairs_enabled(False)
     try:
         yield
     finally:
         kernels.set_vnni_enabled(previous[0])
         kernels.set_amx_enabled(previous[1])
+        kernels.set_avx2_pairs_enabled(previous[2])
 
 
 def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):
@@ -142,12 +143,15 @@ def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invar
     return LLMEngine(args.model, config)
 
 
-def measure_engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True) -> EngineFigures:
+def measure_engine(
+    args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True, label: str | None = None
+) -> EngineFigures:
+    """Loads one engine mode and measures it; ``label`` names the row (default: which kernels it runs)."""
     from ember.engine.sampling import SamplingParams
 
     started = time.perf_counter()
     engine = _engine(args, dtype, quantization, batch_invariant)
-    kernels = "batch-invariant" if engine.model.batch_invariant else "previous kernels"
+    kernels = label or ("batch-invariant" if engine.model.batch_invariant else "previous kernels")
     figures = EngineFigures(mode=f"{dtype}/{quantization}, {kernels}", load_s=time.perf_counter() - started)
     tok = engine.tokenizer
     greedy = lambda n, i=0: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731

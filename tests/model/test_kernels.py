@@ -184,32 +184,38 @@ def _w8a16_by_definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
     return acc * scale
 
 
-@pytest.mark.parametrize("isa", ["avx2", "vnni", "amx"])
+@pytest.mark.parametrize("isa", ["avx2", "avx2-pairs", "vnni", "amx"])
 @pytest.mark.parametrize("in_features", [576, 600, 1536])
 def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa):
-    """Every instruction set (AMX tiles, AVX-512 VNNI, AVX2, plain loops) computes the same integer
-    dots and the same float epilogue: the bits equal the arithmetic written out in torch. 48 outputs:
-    a pair of 16-output tiles and a lone one (three pairs of 8-output blocks for VNNI); 40 outputs:
-    an odd block count, which VNNI leaves to AVX2; 1-40 rows: under and over each kernel's row
-    threshold, whole and partial row tiles and 8/4/1-row blocks."""
+    """Every instruction set (AMX tiles, AVX-512 VNNI, AVX2 two blocks or one at a time, plain loops)
+    computes the same integer dots and the same float epilogue: the bits equal the arithmetic written
+    out in torch. 48 outputs: a pair of 16-output tiles and a lone one (three pairs of 8-output blocks
+    for VNNI and the paired AVX2 kernel); 40 outputs: an odd block count, which both leave to the
+    one-block kernel; 1-40 rows: under and over each kernel's row threshold, whole and partial row
+    tiles and 8/4/3/1-row blocks."""
     if isa == "amx" and not k.amx_available():
         pytest.skip("this CPU (or kernel) has no AMX tiles: the vector paths are the ones that run")
     if isa == "vnni" and not k.vnni_available():
-        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 path is the one that runs")
+        pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 paths are the ones that run")
     torch.manual_seed(5)
     x = torch.randn(40, in_features) * 2
     x[1, 3] = 60.0
     x[7, :] = 0.0
-    previous = k.set_amx_enabled(isa == "amx"), k.set_vnni_enabled(isa != "avx2")
+    previous = (
+        k.set_amx_enabled(isa == "amx"),
+        k.set_vnni_enabled(isa in ("vnni", "amx")),
+        k.set_avx2_pairs_enabled(isa != "avx2"),
+    )
     try:
         for outputs in (48, 40):
             _, q, scale, lanes8, _ = _lane_weights(outputs, in_features, 4)
-            for rows in (1, 2, 4, 5, 9, 13, 16, 33, 40):
+            for rows in (1, 2, 3, 4, 5, 9, 13, 16, 33, 40):
                 got = k.linear_w8a16(x[:rows], lanes8, scale)
                 assert torch.equal(got, _w8a16_by_definition(x[:rows], q, scale)), (outputs, rows)
     finally:
         k.set_amx_enabled(previous[0])
         k.set_vnni_enabled(previous[1])
+        k.set_avx2_pairs_enabled(previous[2])
 
 
 def test_lane_linears_do_not_depend_on_the_rows_in_the_call(k):

@@ -38,6 +38,7 @@ bool set_amx_enabled(bool enabled);
 bool amx_available();
 bool set_vnni_enabled(bool enabled);
 bool vnni_available();
+bool set_avx2_pairs_enabled(bool enabled);
 
 namespace {
 
@@ -1186,6 +1187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available);
   m.def("set_vnni_enabled", &set_vnni_enabled);
   m.def("vnni_available", &vnni_available);
+  m.def("set_avx2_pairs_enabled", &set_avx2_pairs_enabled);
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());
