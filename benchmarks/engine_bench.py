@@ -72,7 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=3, help="decode and prefill runs; the median is reported")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="rounds (decode, prefill, 16 sequences greedy and sampled); the median is reported"
+    )
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--aggregate-tokens", type=int, default=128)
     parser.add_argument("--chunk", type=int, default=0, help="max_num_batched_tokens (0: the engine default)")
@@ -85,12 +87,19 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    rows: list[EngineFigures] = []
-    for mode in args.modes.split(","):
+    # Modes that differ only in the W8A16 kernel's path (':avx2') share one engine
+    # and take turns round by round: this machine's speed moves by tens of per
+    # cent between stretches of minutes, and measured one after the other the same
+    # decode kernel read 0.69x of itself.
+    engines: dict[tuple[str, str, bool], list[tuple[int, bool]]] = {}
+    for index, mode in enumerate(args.modes.split(",")):
         dtype, quantization, *flags = mode.split(":")
-        label = "previous default (one-block AVX2)" if "avx2" in flags else None
-        with _w8a16_isa(avx2_only="avx2" in flags):
-            rows.append(measure_engine(args, dtype, quantization, batch_invariant="previous" not in flags, label=label))
+        engines.setdefault((dtype, quantization, "previous" not in flags), []).append((index, "avx2" in flags))
+    measured: dict[int, EngineFigures] = {}
+    for (dtype, quantization, batch_invariant), variants in engines.items():
+        figures = measure_engine(args, dtype, quantization, batch_invariant, [avx2_only for _, avx2_only in variants])
+        measured.update(zip((index for index, _ in variants), figures, strict=True))
+    rows = [measured[index] for index in sorted(measured)]
     reference = None if args.no_reference else measure_transformers(args)
     llama_cpp = measure_llama_cpp(args)
     _print(rows, reference, llama_cpp, args)
@@ -144,54 +153,67 @@ def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invar
 
 
 def measure_engine(
-    args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True, label: str | None = None
-) -> EngineFigures:
-    """Loads one engine mode and measures it; ``label`` names the row (default: which kernels it runs)."""
+    args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True, variants: list[bool] | None = None
+) -> list[EngineFigures]:
+    """Loads one engine and measures it once per variant: ``True`` runs the W8A16 kernel on its one-block
+    AVX2 code (the previous default), ``False`` as it comes. The variants take turns within every round
+    (``args.repeats`` rounds, the order reversed every other round) and each figure is the median of its
+    rounds, so a slow stretch of the machine moves every variant alike."""
     from ember.engine.sampling import SamplingParams
 
+    variants = variants or [False]
     started = time.perf_counter()
     engine = _engine(args, dtype, quantization, batch_invariant)
-    kernels = label or ("batch-invariant" if engine.model.batch_invariant else "previous kernels")
-    figures = EngineFigures(mode=f"{dtype}/{quantization}, {kernels}", load_s=time.perf_counter() - started)
+    load_s = time.perf_counter() - started
+    kernels = "batch-invariant" if engine.model.batch_invariant else "previous kernels"
+    rows = [
+        EngineFigures(mode=f"{dtype}/{quantization}, {'previous default (one-block AVX2)' if avx2_only else kernels}", load_s=load_s)
+        for avx2_only in variants
+    ]
     tok = engine.tokenizer
     greedy = lambda n, i=0: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
+    sampled = lambda n, i: SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True)  # noqa: E731
 
     # Warm-up: first calls pay for allocations and kernel selection.
     engine.add_request("warm", tok.encode_chat([{"role": "user", "content": "Hello"}]), greedy(16))
     _drain(engine)
 
-    # Single stream: time per decode step after the first token. The median of
-    # a few runs: on a shared machine one run can land on a noisy stretch.
-    decode_runs = []
-    for run in range(args.repeats):
-        engine.add_request(
-            f"single-{run}",
-            tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]),
-            greedy(args.decode_tokens),
-        )
-        stamps = _drain(engine)[f"single-{run}"]
-        decode_runs.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    figures.decode_tps = statistics.median(decode_runs)
-
-    # Prefill: unique tokens in every run, so no cache can help.
-    prefill_runs = []
-    for run in range(args.repeats):
-        prompt = [(i * 7919 + 13 + 104729 * run) % (engine.model_config.vocab_size - 100) + 50 for i in range(args.prefill_tokens)]
-        t0 = time.perf_counter()
-        engine.add_request(f"prefill-{run}", prompt, greedy(1))
-        _drain(engine)
-        prefill_runs.append(args.prefill_tokens / (time.perf_counter() - t0))
-    figures.prefill_tps = statistics.median(prefill_runs)
-
-    figures.aggregate_tps, figures.step_overhead_ms = _aggregate(engine, args, greedy)
-    sampled = lambda n, i: SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True)  # noqa: E731
-    figures.aggregate_sampled_tps, _ = _aggregate(engine, args, sampled)
-    figures.extra["kernels"] = engine.model.kernels is not None
-    figures.extra["chunk"] = engine.scheduler.max_num_batched_tokens
-    figures.weight_bytes_per_param, figures.rss_mb = _memory(engine)
+    runs: list[dict[str, list[float]]] = [{} for _ in variants]
+    for round_ in range(args.repeats):
+        order = range(len(variants)) if round_ % 2 == 0 else reversed(range(len(variants)))
+        for v in order:
+            run = round_ * len(variants) + v
+            with _w8a16_isa(avx2_only=variants[v]):
+                # Single stream: time per decode step after the first token.
+                engine.add_request(
+                    f"single-{run}",
+                    tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]),
+                    greedy(args.decode_tokens),
+                )
+                stamps = _drain(engine)[f"single-{run}"]
+                runs[v].setdefault("decode_tps", []).append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+                # Prefill: unique tokens in every run, so no cache can help.
+                vocab = engine.model_config.vocab_size - 100
+                prompt = [(i * 7919 + 13 + 104729 * run) % vocab + 50 for i in range(args.prefill_tokens)]
+                t0 = time.perf_counter()
+                engine.add_request(f"prefill-{run}", prompt, greedy(1))
+                _drain(engine)
+                runs[v].setdefault("prefill_tps", []).append(args.prefill_tokens / (time.perf_counter() - t0))
+                tps, overhead = _aggregate(engine, args, greedy)
+                runs[v].setdefault("aggregate_tps", []).append(tps)
+                runs[v].setdefault("step_overhead_ms", []).append(overhead)
+                runs[v].setdefault("aggregate_sampled_tps", []).append(_aggregate(engine, args, sampled)[0])
+    weight_bytes_per_param, rss_mb = _memory(engine)
+    for figures, measured in zip(rows, runs, strict=True):
+        for key, values in measured.items():
+            setattr(figures, key, statistics.median(values))
+        figures.extra["kernels"] = engine.model.kernels is not None
+        figures.extra["chunk"] = engine.scheduler.max_num_batched_tokens
+        figures.extra["rounds"] = args.repeats
+        figures.weight_bytes_per_param, figures.rss_mb = weight_bytes_per_param, rss_mb
     if args.profile:
         _profile(engine, greedy)
-    return figures
+    return rows
 
 
 def _memory(engine) -> tuple[float, dict[str, float]]:
