@@ -139,6 +139,26 @@ def test_prompt_rows_attend_causally_and_equal_their_decode(k, shape):
     assert torch.equal(chunk, prompt[101:138])
 
 
+def test_prompt_rows_of_several_sequences_in_one_call_equal_each_alone(k):
+    """One call holding two prompt chunks on different tables (rows of a sequence walk
+    their spans together in tiles, which end where a sequence does) and decode rows:
+    every row has the bits it has alone, and the call spreads as many tasks as it has."""
+    torch.manual_seed(3)
+    h, kv, hd, bs = SHAPES["smollm"]
+    k_cache, v_cache = torch.randn(64 * bs, kv, hd), torch.randn(64 * bs, kv, hd)
+    tables = torch.arange(1, 61).reshape(3, 20)
+    # 21 rows of sequence 0 (positions 180..200), 3 decode rows (sequence 2, 1, 2), 30 rows of sequence 1.
+    table_rows = torch.tensor([0] * 21 + [2, 1, 2] + [1] * 30)
+    lens = torch.cat([torch.arange(181, 202), torch.tensor([77, 5, 300]), torch.arange(1, 31)])
+    q = torch.randn(len(lens), h, hd)
+    together = torch.empty(len(lens), h * hd)
+    k.paged_attention(together, q, k_cache, v_cache, tables, table_rows, lens, bs, 0.125)
+    for i in range(len(lens)):
+        alone = torch.empty(1, h * hd)
+        k.paged_attention(alone, q[i : i + 1], k_cache, v_cache, tables[table_rows[i] : table_rows[i] + 1], None, lens[i : i + 1], bs, 0.125)
+        assert torch.equal(alone[0], together[i]), f"row {i}"
+
+
 def _lane_weights(n, k_in, seed):
     from ember.model.quant import pack_lanes, quantize_per_channel_int8
 

@@ -195,6 +195,8 @@ namespace {
 constexpr int64_t ATTENTION_SPAN = 64;
 // The longest span (ATTENTION_SPAN rounded up to whole blocks) the kernels take.
 constexpr int64_t MAX_SPAN = 1024;
+// Rows of one sequence that walk their spans together in a prompt (paged_attention).
+constexpr int64_t ATTENTION_TILE = 16;
 
 #ifdef EMBER_AVX512
 // exp(x) in float32: 2^(x log2 e) as 2^n * p(f), p a degree-6 polynomial of
@@ -333,12 +335,57 @@ inline float vsum(VecF v) { return hsum8(v); }
 // registers across the whole span (with AVX-512; AVX2's 16 registers spill the
 // queries to L1): accumulating in memory instead made every token wait on a
 // store-to-load round trip (measured 4x slower).
+#ifdef EMBER_AVX2
+// hsum8 of eight vectors at once: lane i of the result is hsum8(v[i]), bit for
+// bit (the same tree: lo + hi halves, then lanes 0+2 and 1+3, then those two),
+// in 7 adds and 14 shuffles instead of 8 x (3 adds + 3 shuffles) and 8 stores.
+inline __m256 hsum8x8(const __m256 v[8]) {
+  __m256 halves[4];  // [hsum halves of v[i] | of v[i + 4]]
+  for (int i = 0; i < 4; ++i)
+    halves[i] = _mm256_add_ps(_mm256_permute2f128_ps(v[i], v[i + 4], 0x20), _mm256_permute2f128_ps(v[i], v[i + 4], 0x31));
+  __m256 pairs[2];  // [v[2j]: lanes 0+2, 1+3; v[2j+1]: the same | v[2j+4], v[2j+5]]
+  for (int j = 0; j < 2; ++j) {
+    const __m256 a = halves[2 * j], b = halves[2 * j + 1];
+    pairs[j] = _mm256_add_ps(_mm256_shuffle_ps(a, b, _MM_SHUFFLE(1, 0, 1, 0)), _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  return _mm256_add_ps(_mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+// One score per (head, token): d = q[0] * k[0], then d = fma(q[c], k[c], d) for
+// the chunks in order, then vsum(d) * scale. With AVX2, eight tokens at a time:
+// eight independent chains per head (one token's three chains waited on the FMA
+// latency) and their sums in one hsum8x8; the same arithmetic per score, the
+// same bits. The queries stay in registers with AVX-512; AVX2's 16 registers
+// leave them in L1.
 template <int G, int C>
 void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t len, float scale, float* scores) {
+  int64_t t = 0;
+#ifdef EMBER_AVX2
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (; t + 8 <= len; t += 8) {
+    for (int i = 0; i < 8; ++i)
+      if (t + 8 + i < len) prefetch_row(kc + rows[t + 8 + i], C * VW);
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = kc + rows[t + i];
+    for (int g = 0; g < G; ++g) {
+      const float* qg = qb + g * C * VW;
+      __m256 d[8];
+      const __m256 q0 = vload(qg);
+      for (int i = 0; i < 8; ++i) d[i] = vmul(q0, vload(k[i]));
+      for (int c = 1; c < C; ++c) {
+        const __m256 qc = vload(qg + c * VW);
+        for (int i = 0; i < 8; ++i) d[i] = vfmadd(qc, vload(k[i] + c * VW), d[i]);
+      }
+      vstore(scores + g * len + t, _mm256_mul_ps(hsum8x8(d), vscale));
+    }
+  }
+#endif
   VecF q[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) q[g][c] = vload(qb + g * C * VW + c * VW);
-  for (int64_t t = 0; t < len; ++t) {
+  for (; t < len; ++t) {
     if (t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * VW);
     const float* k = kc + rows[t];
     VecF kv[C];
@@ -354,26 +401,30 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
 // Every accumulator sums its tokens in order (acc = fma(p_t, v_t, acc)). With
 // AVX-512 all G x C accumulators advance together, token by token: G x C
 // independent chains keep the FMA units busy, where one chunk at a time left G
-// chains waiting on the FMA latency (measured 2x slower). AVX2's 16 registers
-// hold two chunks' G accumulators for G <= 4 (one chunk's 3 chains waited on the
-// FMA latency: two measured 1.5-1.6x faster on AMD Zen 3), else one. Any order of
-// the chunks gives each accumulator the same sequence.
+// chains waiting on the FMA latency (measured 2x slower). With AVX2 as many
+// chunks advance together as fit 15 of its 16 registers with the G broadcast
+// probabilities (the values are read straight from L1 by the fma): 4 for this
+// model's G = 3, 12 chains (two chunks' 6 chains measured 1.3x slower on AMD
+// Zen 3, one chunk's 3 another 1.5x). Any order of the chunks gives each
+// accumulator the same sequence.
 template <int G, int C>
 void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc) {
   // Chunks advanced together: every chunk with AVX-512 where G x C accumulators
-  // and the loaded values fit its 32 registers; two with AVX2 where 2 x G
-  // accumulators, G broadcasts and the loaded values fit its 16.
-  constexpr int CHUNKS = (VW == 16 && G * C + 2 * C <= 28) ? C : (VW == 8 && 3 * G + 2 <= 14 && C % 2 == 0) ? 2 : 1;
+  // and the loaded values fit its 32 registers; with AVX2 the most (8, 4, 2 or 1)
+  // whose accumulators and the G broadcasts fit 15 of its 16.
+  constexpr int AVX2_CHUNKS = (8 * G + G <= 15 && C % 8 == 0) ? 8 : (4 * G + G <= 15 && C % 4 == 0) ? 4 : (2 * G + G <= 15 && C % 2 == 0) ? 2 : 1;
+  constexpr int CHUNKS = VW == 16 ? (G * C + 2 * C <= 28 ? C : 1) : AVX2_CHUNKS;
   for (int c0 = 0; c0 < C; c0 += CHUNKS) {
     VecF a[CHUNKS][G];
     for (int c = 0; c < CHUNKS; ++c)
       for (int g = 0; g < G; ++g) a[c][g] = vzero();
     for (int64_t t = 0; t < len; ++t) {
       if (c0 == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
-      for (int c = 0; c < CHUNKS; ++c) {
-        const VecF v = vload(vc + rows[t] + (c0 + c) * VW);
-        for (int g = 0; g < G; ++g) a[c][g] = vfmadd(vset1(probs[g * len + t]), v, a[c][g]);
-      }
+      VecF p[G];
+      for (int g = 0; g < G; ++g) p[g] = vset1(probs[g * len + t]);
+      const float* v = vc + rows[t] + c0 * VW;
+      for (int c = 0; c < CHUNKS; ++c)
+        for (int g = 0; g < G; ++g) a[c][g] = vfmadd(p[g], vload(v + c * VW), a[c][g]);
     }
     for (int c = 0; c < CHUNKS; ++c)
       for (int g = 0; g < G; ++g) vstore(acc + g * C * VW + (c0 + c) * VW, a[c][g]);
@@ -453,12 +504,20 @@ __attribute__((noinline)) void attend_span(const float* qb, const float* kc, con
     float mx = row[0];
     int64_t t0 = 1;
 #ifdef EMBER_AVX512
-    // The max is exact in any order: 16 lanes, then across them (one scalar
-    // chain of dependent max instructions was half of this function's time).
+    // The max is exact in any order: 16 (or 8) lanes, then across them (one
+    // scalar chain of dependent max instructions was half of this function's time).
     {
       __m512 vmx = _mm512_set1_ps(mx);
       for (; t0 + 16 <= len; t0 += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(row + t0), vmx);
       mx = _mm512_reduce_max_ps(vmx);
+    }
+#elif defined(EMBER_AVX2)
+    {
+      __m256 vmx = _mm256_set1_ps(mx);
+      for (; t0 + 8 <= len; t0 += 8) vmx = _mm256_max_ps(_mm256_loadu_ps(row + t0), vmx);
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, vmx);
+      for (float v : lanes) mx = std::max(mx, v);
     }
 #endif
     for (int64_t t = t0; t < len; ++t) mx = std::max(mx, row[t]);
@@ -567,25 +626,51 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
 
   with_ptr(out, [&](auto* op) {
     if (tasks >= 4 * at::get_num_threads()) {
-      // Many rows: whole (row, kv head) tasks per thread, partials in a local buffer.
-      // A prompt chunk's rows grow in context: dealt in zigzag order (first,
-      // last, second, second to last, ...), every thread's contiguous share
-      // holds short and long rows alike (in row order, the last thread did 3x
-      // the first one's work on a fresh 512-token chunk).
-      at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+      // Many rows: whole (tile, kv head) tasks per thread, partials in a local
+      // buffer. A tile is up to ATTENTION_TILE consecutive rows on the same
+      // block table (a prompt chunk's tokens); its task walks the spans
+      // outermost and every row that reaches a span attends to it while the
+      // span's keys and values are in cache (row by row, each row re-read its
+      // whole context from L3). Each (row, span) is still one attend_span call
+      // and each row one merge_spans: the same bits as any other schedule.
+      // A prompt chunk's rows grow in context: tiles are dealt in zigzag order
+      // (first, last, second, second to last, ...), so every thread's
+      // contiguous share holds short and long rows alike (in row order, the
+      // last thread did 3x the first one's work on a fresh 512-token chunk).
+      std::vector<int64_t> tile_start{0};
+      for (int64_t b = 1; b < batch; ++b)
+        if (b - tile_start.back() == ATTENTION_TILE || table_of(b) != table_of(b - 1)) tile_start.push_back(b);
+      const int64_t tiles = static_cast<int64_t>(tile_start.size());
+      tile_start.push_back(batch);
+      const int64_t tile_tasks = tiles * num_kv_heads;
+      at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(group * span_len), partial;
+        std::array<int64_t, ATTENTION_TILE + 1> first{};
         for (int64_t dealt = begin; dealt < end; ++dealt) {
-          const int64_t task = dealt % 2 == 0 ? dealt / 2 : tasks - 1 - dealt / 2;
-          const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-          const int64_t n = (lens[b] + span_len - 1) / span_len;
-          partial.resize(n * stride);
-          for (int64_t i = 0; i < n; ++i) {
-            const AttentionSpan span{b, kvh, i * span_len, std::min(lens[b], (i + 1) * span_len)};
-            float* part = partial.data() + i * stride;
-            attend_span(qp + (b * num_heads + kvh * group) * head_dim, kc, vc, table_of(b), span, group, head_dim, kv_width,
-                        block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+          const int64_t task = dealt % 2 == 0 ? dealt / 2 : tile_tasks - 1 - dealt / 2;
+          const int64_t tile = task / num_kv_heads, kvh = task % num_kv_heads;
+          const int64_t b0 = tile_start[tile], rows = tile_start[tile + 1] - b0;
+          // Row b0 + r keeps its n spans' partials at first[r] .. first[r + 1].
+          int64_t most = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t n = (lens[b0 + r] + span_len - 1) / span_len;
+            first[r + 1] = first[r] + n;
+            most = std::max(most, n);
           }
-          merge_spans(partial.data(), n, group, head_dim, op + (b * num_heads + kvh * group) * head_dim);
+          partial.resize(first[rows] * stride);
+          for (int64_t i = 0; i < most; ++i) {
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t b = b0 + r;
+              if (i >= first[r + 1] - first[r]) continue;
+              const AttentionSpan span{b, kvh, i * span_len, std::min(lens[b], (i + 1) * span_len)};
+              float* part = partial.data() + (first[r] + i) * stride;
+              attend_span(qp + (b * num_heads + kvh * group) * head_dim, kc, vc, table_of(b), span, group, head_dim, kv_width,
+                          block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+            }
+          }
+          for (int64_t r = 0; r < rows; ++r)
+            merge_spans(partial.data() + first[r] * stride, first[r + 1] - first[r], group, head_dim,
+                        op + ((b0 + r) * num_heads + kvh * group) * head_dim);
         }
       });
       return;
