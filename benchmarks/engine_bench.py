@@ -124,13 +124,11 @@ def _w8a16_isa(avx2_only: bool) -> Iterator[None]:
     if kernels is None:
         yield
         return
-    previous = kernels.set_vnni_enabled(False), kernels.set_amx_enabled(False), kernels.set_avx2_pairs_enabled(False)
+    previous = kernels.set_w8a16_ceiling("avx2")
     try:
         yield
     finally:
-        kernels.set_vnni_enabled(previous[0])
-        kernels.set_amx_enabled(previous[1])
-        kernels.set_avx2_pairs_enabled(previous[2])
+        kernels.set_w8a16_ceiling(previous)
 
 
 def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):

@@ -221,11 +221,7 @@ def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa)
     x = torch.randn(40, in_features) * 2
     x[1, 3] = 60.0
     x[7, :] = 0.0
-    previous = (
-        k.set_amx_enabled(isa == "amx"),
-        k.set_vnni_enabled(isa in ("vnni", "amx")),
-        k.set_avx2_pairs_enabled(isa != "avx2"),
-    )
+    previous = k.set_w8a16_ceiling(isa)
     try:
         for outputs in (48, 40):
             _, q, scale, lanes8, _ = _lane_weights(outputs, in_features, 4)
@@ -233,9 +229,7 @@ def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa)
                 got = k.linear_w8a16(x[:rows], lanes8, scale)
                 assert torch.equal(got, _w8a16_by_definition(x[:rows], q, scale)), (outputs, rows)
     finally:
-        k.set_amx_enabled(previous[0])
-        k.set_vnni_enabled(previous[1])
-        k.set_avx2_pairs_enabled(previous[2])
+        k.set_w8a16_ceiling(previous)
 
 
 def test_lane_linears_do_not_depend_on_the_rows_in_the_call(k):
@@ -444,3 +438,16 @@ def test_sample_rows_draws_the_inverse_cdf_of_the_kept_tokens(k, tail, temperatu
     last = _inverse_cdf(kept, 0.9999999)
     if tail is not None:
         assert last != 7 and draw(0.9999999) != 7, "the nucleus reaches into the tail"
+
+
+def test_w8a16_ceiling_names_its_paths_and_rejects_others(k):
+    """The one switch over the W8A16 paths returns the previous ceiling and refuses a name it does not know, unchanged."""
+    previous = k.set_w8a16_ceiling("avx2")
+    try:
+        assert k.set_w8a16_ceiling("avx2-pairs") == "avx2"
+        with pytest.raises(RuntimeError, match="unknown path 'sse'"):
+            k.set_w8a16_ceiling("sse")
+        assert k.set_w8a16_ceiling("vnni") == "avx2-pairs"
+    finally:
+        k.set_w8a16_ceiling(previous)
+    assert previous == "amx"

@@ -34,11 +34,9 @@ using BF16 = c10::BFloat16;
 // linear_lanes.cpp: the batch-invariant linears.
 Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale);
 Tensor linear_f32_lanes(Tensor x, Tensor w);
-bool set_amx_enabled(bool enabled);
+std::string set_w8a16_ceiling(const std::string& path);
 bool amx_available();
-bool set_vnni_enabled(bool enabled);
 bool vnni_available();
-bool set_avx2_pairs_enabled(bool enabled);
 
 namespace {
 
@@ -1273,11 +1271,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, no_gil());
   m.def("linear_w8a16", &linear_w8a16, no_gil());
   m.def("linear_f32_lanes", &linear_f32_lanes, no_gil());
-  m.def("set_amx_enabled", &set_amx_enabled);
+  m.def("set_w8a16_ceiling", &set_w8a16_ceiling);
   m.def("amx_available", &amx_available);
-  m.def("set_vnni_enabled", &set_vnni_enabled);
   m.def("vnni_available", &vnni_available);
-  m.def("set_avx2_pairs_enabled", &set_avx2_pairs_enabled);
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());

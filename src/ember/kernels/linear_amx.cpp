@@ -1,18 +1,20 @@
 // W8A16 on Intel AMX tiles: the same bits as linear_lanes.cpp's definition, several times faster for many rows.
 //
 // The definition (linear_lanes.cpp): per row, int16 activation codes in groups
-// of 64 inputs; per (row, output, group) an exact int32 dot product with the
-// int8 weights; acc = fma(float(dot_g), scale_g, acc) over the groups in order;
-// output acc * w_scale. AMX multiplies bytes, not int16, so each code is split
-// exactly as c = 256 * hi + lo (hi = c >> 8 signed, lo = c & 255 unsigned):
+// of `group` inputs (256, a multiple of 64); per (row, output, group) an exact
+// int32 dot product with the int8 weights; acc = fma(float(dot_g), scale_g, acc)
+// over the groups in order; output acc * w_scale. AMX multiplies bytes, not
+// int16, so each code is split exactly as c = 256 * hi + lo (hi = c >> 8 signed,
+// lo = c & 255 unsigned):
 //
 //   dot_g = 256 * (hi . w) + (lo . w)       TDPBSSD for hi, TDPBUSD for lo
 //
-// Both partial dots are exact in int32 (|hi . w| <= 64 * 128 * 127, |lo . w| <=
-// 64 * 255 * 127), and so is their sum (|dot_g| <= 64 * 127 * 32767 < 2^31): the
-// integer dot is the definition's, whatever the hardware's order inside a tile.
-// The float epilogue is the definition's fma sequence, lane for lane. One AMX
-// tile of int8 is 64 bytes wide: exactly one quantization group.
+// One int8 tile row is 64 bytes wide, so a group's products accumulate over its
+// 256 / 64 = 4 tile steps in the C tiles before the epilogue. Both partial dots
+// are exact in int32 (|hi . w| <= 256 * 128 * 127, |lo . w| <= 256 * 255 * 127),
+// and so is their sum (|dot_g| <= 256 * 127 * 32767 < 2^31): the integer dot is
+// the definition's, whatever the hardware's order inside a tile. The float
+// epilogue is the definition's fma sequence, lane for lane.
 //
 // Weights are read from the lanes layout (N/8, K/2, 8, 2) that the AVX2 kernel
 // uses; each 16-output x 64-input B tile is reshuffled into AMX's (16 x 4)-byte
@@ -35,7 +37,7 @@
 
 namespace ember_amx {
 
-constexpr int64_t GROUP = 64;   // inputs per activation scale = bytes per AMX tile row
+constexpr int64_t GROUP = 64;   // inputs per tile step = bytes per AMX tile row (a quantization group holds several)
 constexpr int64_t OUTS = 16;    // outputs per B tile (16 int32 columns of C)
 constexpr int64_t TILE_ROWS = 16;
 

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -59,13 +60,18 @@ namespace {
 // (linear_amx.cpp: the same bits). Below it the tiles' fixed 16-row shape and
 // the per-call weight reshuffle cost more than they save.
 constexpr int64_t AMX_MIN_ROWS = 5;
-bool amx_enabled = true;
-bool vnni_enabled = true;  // pair_w8a16_vnni where the build has it
 // From this many rows on (and for an even number of blocks), the AVX2 kernel runs
 // two blocks at a time (block_w8a16<2, R>). A lone decode row keeps one block:
 // it is bound by memory, and one weight stream per thread reads fastest.
 constexpr int64_t AVX2_PAIRS_MIN_ROWS = 2;
-bool avx2_pairs_enabled = true;
+
+// The W8A16 paths from slowest to fastest; each computes the same bits. A call
+// takes the fastest one that the CPU, the build, its shape and the ceiling allow.
+enum class W8A16Path { avx2 = 0, avx2_pairs = 1, vnni = 2, amx = 3 };
+constexpr const char* W8A16_PATH_NAMES[] = {"avx2", "avx2-pairs", "vnni", "amx"};
+// Lowered only by tests and benchmarks, to run a slower path on this CPU.
+W8A16Path w8a16_ceiling = W8A16Path::amx;
+bool path_allowed(W8A16Path path) { return static_cast<int>(path) <= static_cast<int>(w8a16_ceiling); }
 
 constexpr int64_t LANES = 8;         // outputs per weight vector
 constexpr int64_t QUANT_GROUP = 256;  // inputs per activation scale
@@ -323,16 +329,16 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
   });
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
-  if (amx_enabled && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>())) return y;
+  if (path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>())) return y;
 #ifdef EMBER_VNNI512
-  if (vnni_enabled && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
+  if (path_allowed(W8A16Path::vnni) && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
     for_lane_blocks<2, 8>(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
       pair_w8a16_vnni<decltype(rows)::value>(wp + b * k * LANES, cp + r * k, sp + r * groups, k, groups, ws + b * LANES, out, n);
     });
     return y;
   }
 #endif
-  if (avx2_pairs_enabled && m >= AVX2_PAIRS_MIN_ROWS && n % (2 * LANES) == 0) {
+  if (path_allowed(W8A16Path::avx2_pairs) && m >= AVX2_PAIRS_MIN_ROWS && n % (2 * LANES) == 0) {
     for_lane_blocks<2, 3>(m, n, y.data_ptr<float>(), [&](auto rows, int64_t r, int64_t b, float* out) {
       block_w8a16<2, decltype(rows)::value>(wp + b * k * LANES, cp + r * k, sp + r * groups, k, groups, ws + b * LANES, out, n);
     });
@@ -361,36 +367,23 @@ Tensor linear_f32_lanes(Tensor x, Tensor w) {
   return y;
 }
 
-// Whether W8A16 may use AMX tiles (on by default where the CPU and kernel allow):
-// the benchmarks turn it off to measure the AVX2 path in the same run. Returns
-// the previous setting.
-bool set_amx_enabled(bool enabled) {
-  const bool previous = amx_enabled;
-  amx_enabled = enabled;
-  return previous;
+// The fastest W8A16 path allowed: "amx" (the default: every path the CPU has),
+// "vnni", "avx2-pairs" (two 8-output blocks at a time) or "avx2" (one block, the
+// oldest). Tests lower it to check each path's bits on this CPU; the engine bench
+// lowers it to measure the previous default in the same run. Returns the
+// previous ceiling.
+std::string set_w8a16_ceiling(const std::string& path) {
+  const std::string previous = W8A16_PATH_NAMES[static_cast<int>(w8a16_ceiling)];
+  for (int i = 0; i < 4; ++i)
+    if (path == W8A16_PATH_NAMES[i]) {
+      w8a16_ceiling = static_cast<W8A16Path>(i);
+      return previous;
+    }
+  TORCH_CHECK(false, "set_w8a16_ceiling: unknown path '", path, "' (amx, vnni, avx2-pairs or avx2)");
 }
 
 // Whether this CPU, kernel and build run W8A16 on AMX tiles.
 bool amx_available() { return ember_amx::available(); }
-
-// Whether W8A16 may use its AVX-512 VNNI kernel (on by default where the build has
-// it): with AMX off too, the benchmarks measure the AVX2 kernel, the previous
-// default, in the same run. Returns the previous setting.
-bool set_vnni_enabled(bool enabled) {
-  const bool previous = vnni_enabled;
-  vnni_enabled = enabled;
-  return previous;
-}
-
-// Whether the AVX2 W8A16 kernel may run two 8-output blocks at a time (on by
-// default): off, with VNNI and AMX off too, it is the one-block kernel, the
-// default before it, which the benchmarks measure in the same run. Returns the
-// previous setting.
-bool set_avx2_pairs_enabled(bool enabled) {
-  const bool previous = avx2_pairs_enabled;
-  avx2_pairs_enabled = enabled;
-  return previous;
-}
 
 // Whether this build (-march=native on this CPU) has the AVX-512 VNNI kernel.
 bool vnni_available() {
