@@ -281,21 +281,25 @@ void block_f32(const float* wb, const float* x, int64_t k, float* out, int64_t o
 }
 
 // Splits the output blocks over the threads, BLOCKS neighbouring 8-output blocks
-// per call; each thread walks the rows in tiles of ROW_TILE (kept in cache across
-// its blocks), WIDE rows at a time, then 4 (when WIDE is more), then one at a
-// time. ``block(rows, row, b, out)`` computes rows x (8 * BLOCKS) outputs from
+// per call; each thread walks the rows in tiles of about ROW_TILE, a multiple of
+// WIDE so that only the last tile ends in narrower blocks (kept in cache across
+// its blocks), WIDE rows at a time, then 4 (when WIDE is more), then 2 (when WIDE
+// is more), then one at a time: a weight vector feeds as many rows as it can. ``block(rows, row, b, out)`` computes rows x (8 * BLOCKS) outputs from
 // block b on. n must be a multiple of 8 * BLOCKS.
 template <int BLOCKS, int WIDE, typename Block>
 void for_lane_blocks(int64_t m, int64_t n, float* y, Block block) {
   const int64_t units = n / (LANES * BLOCKS);
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t t0 = 0; t0 < m; t0 += ROW_TILE) {
-      const int64_t t1 = std::min(m, t0 + ROW_TILE);
+    constexpr int64_t tile = ROW_TILE / WIDE * WIDE;
+    for (int64_t t0 = 0; t0 < m; t0 += tile) {
+      const int64_t t1 = std::min(m, t0 + tile);
       for (int64_t b = u0 * BLOCKS; b < u1 * BLOCKS; b += BLOCKS) {
         int64_t r = t0;
         for (; r + WIDE <= t1; r += WIDE) block(std::integral_constant<int, WIDE>{}, r, b, y + r * n + b * LANES);
         if constexpr (WIDE > 4)
           for (; r + 4 <= t1; r += 4) block(std::integral_constant<int, 4>{}, r, b, y + r * n + b * LANES);
+        if constexpr (WIDE > 2)
+          for (; r + 2 <= t1; r += 2) block(std::integral_constant<int, 2>{}, r, b, y + r * n + b * LANES);
         for (; r < t1; ++r) block(std::integral_constant<int, 1>{}, r, b, y + r * n + b * LANES);
       }
     }
