@@ -789,6 +789,20 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
     }
     mx = _mm512_reduce_max_ps(vmx);
   }
+#elif defined(EMBER_AVX2)
+  {
+    const __m256 vinv = _mm256_set1_ps(inv_t), lo = _mm256_set1_ps(-3.0e38f), hi = _mm256_set1_ps(3.0e38f);
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    for (; i0 + 8 <= v; i0 += 8) {
+      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(logits + i0), vinv);
+      const __m256 clean = _mm256_min_ps(_mm256_max_ps(x, lo), hi);  // NaN -> -3e38, as in the AVX-512 loop
+      _mm256_storeu_ps(e + i0, clean);
+      vmx = _mm256_max_ps(vmx, clean);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vmx);
+    for (const float lane : lanes) mx = std::max(mx, lane);  // a max is exact: any order gives the scalar loop's
+  }
 #endif
   for (int64_t i = i0; i < v; ++i) {
     const float x = logits[i] * inv_t;
@@ -817,6 +831,19 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
       }
       for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = _mm512_reduce_add_ps(vmass[c]);
     }
+#elif defined(EMBER_AVX2)
+    {
+      __m256 vmass[SAMPLE_CUTOFFS];
+      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) vmass[c] = _mm256_setzero_ps();
+      for (; i0 + 8 <= v; i0 += 8) {
+        const __m256 ev = _mm256_loadu_ps(e + i0);
+        for (int c = 0; c < SAMPLE_CUTOFFS; ++c) {
+          const __m256 above = _mm256_cmp_ps(ev, _mm256_set1_ps(SAMPLE_CUTOFF[c]), _CMP_GT_OQ);
+          vmass[c] = _mm256_add_ps(vmass[c], _mm256_and_ps(above, ev));
+        }
+      }
+      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = hsum8(vmass[c]);
+    }
 #endif
     for (int64_t i = i0; i < v; ++i) {
       for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] += e[i] > SAMPLE_CUTOFF[c] ? e[i] : 0.f;
@@ -828,6 +855,13 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
 #ifdef EMBER_AVX512
     for (const __m512 vcut = _mm512_set1_ps(cutoff); i + 16 <= v; i += 16) {
       for (__mmask16 above = _mm512_cmp_ps_mask(_mm512_loadu_ps(e + i), vcut, _CMP_GT_OQ); above; above &= above - 1) {
+        order.push_back(static_cast<int32_t>(i + __builtin_ctz(above)));
+      }
+    }
+#elif defined(EMBER_AVX2)
+    for (const __m256 vcut = _mm256_set1_ps(cutoff); i + 8 <= v; i += 8) {
+      for (unsigned above = static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(e + i), vcut, _CMP_GT_OQ))); above;
+           above &= above - 1) {
         order.push_back(static_cast<int32_t>(i + __builtin_ctz(above)));
       }
     }
