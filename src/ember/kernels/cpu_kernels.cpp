@@ -225,6 +225,13 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The largest of v's lanes. A max is exact, so any order gives the scalar loop's.
+inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 // exp(x), 8 lanes: the polynomial of exp_ps, with 2^n built in the exponent
 // bits. x is clamped to [-87, 88.3] so that n stays a normal exponent; NaN
 // passes through (max/min return their second operand when one is NaN).
@@ -513,9 +520,7 @@ __attribute__((noinline)) void attend_span(const float* qb, const float* kc, con
     {
       __m256 vmx = _mm256_set1_ps(mx);
       for (; t0 + 8 <= len; t0 += 8) vmx = _mm256_max_ps(_mm256_loadu_ps(row + t0), vmx);
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, vmx);
-      for (float v : lanes) mx = std::max(mx, v);
+      mx = hmax8(vmx);
     }
 #endif
     for (int64_t t = t0; t < len; ++t) mx = std::max(mx, row[t]);
@@ -799,9 +804,7 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
       _mm256_storeu_ps(e + i0, clean);
       vmx = _mm256_max_ps(vmx, clean);
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vmx);
-    for (const float lane : lanes) mx = std::max(mx, lane);  // a max is exact: any order gives the scalar loop's
+    mx = hmax8(vmx);
   }
 #endif
   for (int64_t i = i0; i < v; ++i) {

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iterator>
 #include <string>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -281,10 +282,11 @@ void block_f32(const float* wb, const float* x, int64_t k, float* out, int64_t o
 }
 
 // Splits the output blocks over the threads, BLOCKS neighbouring 8-output blocks
-// per call; each thread walks the rows in tiles of about ROW_TILE, a multiple of
-// WIDE so that only the last tile ends in narrower blocks (kept in cache across
-// its blocks), WIDE rows at a time, then 4 (when WIDE is more), then 2 (when WIDE
-// is more), then one at a time: a weight vector feeds as many rows as it can. ``block(rows, row, b, out)`` computes rows x (8 * BLOCKS) outputs from
+// per call; each thread walks the rows in tiles of about ROW_TILE (kept in cache
+// across its blocks; a multiple of WIDE, so that only the last tile ends in
+// narrower blocks), WIDE rows at a time, then 4 (when WIDE is more), then 2 (when
+// WIDE is more), then one at a time: a weight vector feeds as many rows as it
+// can. ``block(rows, row, b, out)`` computes rows x (8 * BLOCKS) outputs from
 // block b on. n must be a multiple of 8 * BLOCKS.
 template <int BLOCKS, int WIDE, typename Block>
 void for_lane_blocks(int64_t m, int64_t n, float* y, Block block) {
@@ -378,7 +380,7 @@ Tensor linear_f32_lanes(Tensor x, Tensor w) {
 // previous ceiling.
 std::string set_w8a16_ceiling(const std::string& path) {
   const std::string previous = W8A16_PATH_NAMES[static_cast<int>(w8a16_ceiling)];
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < static_cast<int>(std::size(W8A16_PATH_NAMES)); ++i)
     if (path == W8A16_PATH_NAMES[i]) {
       w8a16_ceiling = static_cast<W8A16Path>(i);
       return previous;
