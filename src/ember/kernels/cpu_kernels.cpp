@@ -365,13 +365,13 @@ inline __m256 hsum8x8(const __m256 v[8]) {
 // same bits. The queries stay in registers with AVX-512; AVX2's 16 registers
 // leave them in L1.
 template <int G, int C>
-void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t len, float scale, float* scores) {
+void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t len, float scale, float* scores, bool prefetch) {
   int64_t t = 0;
 #ifdef EMBER_AVX2
   const __m256 vscale = _mm256_set1_ps(scale);
   for (; t + 8 <= len; t += 8) {
     for (int i = 0; i < 8; ++i)
-      if (t + 8 + i < len) prefetch_row(kc + rows[t + 8 + i], C * VW);
+      if (prefetch && t + 8 + i < len) prefetch_row(kc + rows[t + 8 + i], C * VW);
     const float* k[8];
     for (int i = 0; i < 8; ++i) k[i] = kc + rows[t + i];
     for (int g = 0; g < G; ++g) {
@@ -391,7 +391,7 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) q[g][c] = vload(qb + g * C * VW + c * VW);
   for (; t < len; ++t) {
-    if (t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * VW);
+    if (prefetch && t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * VW);
     const float* k = kc + rows[t];
     VecF kv[C];
     for (int c = 0; c < C; ++c) kv[c] = vload(k + c * VW);
@@ -413,7 +413,7 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
 // Zen 3, one chunk's 3 another 1.5x). Any order of the chunks gives each
 // accumulator the same sequence.
 template <int G, int C>
-void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc) {
+void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc, bool prefetch) {
   // Chunks advanced together: every chunk with AVX-512 where G x C accumulators
   // and the loaded values fit its 32 registers; with AVX2 the most (8, 4, 2 or 1)
   // whose accumulators and the G broadcasts fit 15 of its 16.
@@ -424,7 +424,7 @@ void span_values(const float* vc, const int64_t* rows, int64_t len, const float*
     for (int c = 0; c < CHUNKS; ++c)
       for (int g = 0; g < G; ++g) a[c][g] = vzero();
     for (int64_t t = 0; t < len; ++t) {
-      if (c0 == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
+      if (prefetch && c0 == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
       VecF p[G];
       for (int g = 0; g < G; ++g) p[g] = vset1(probs[g * len + t]);
       const float* v = vc + rows[t] + c0 * VW;
@@ -436,8 +436,8 @@ void span_values(const float* vc, const int64_t* rows, int64_t len, const float*
   }
 }
 
-using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, float, float*);
-using ValuesFn = void (*)(const float*, const int64_t*, int64_t, const float*, float*);
+using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, float, float*, bool);
+using ValuesFn = void (*)(const float*, const int64_t*, int64_t, const float*, float*, bool);
 
 template <int C>
 bool pick_span_kernels(int64_t group, ScoresFn* scores, ValuesFn* values) {
@@ -462,35 +462,29 @@ bool span_kernels(int64_t group, int64_t head_dim, ScoresFn* scores, ValuesFn* v
 }
 #endif
 
-// One span: scores = q.k * scale for the group's heads, then m = max, l = sum
-// exp(score - m), acc = sum exp(score - m) v. Writes acc (group, Hd), m, l.
-__attribute__((noinline)) void attend_span(const float* qb, const float* kc, const float* vc, const int64_t* table, const AttentionSpan& span,
-                 int64_t group, int64_t head_dim, int64_t kv_width, int64_t block_size, float scale,
-                 float* scores, float* acc, float* m_out, float* l_out) {
-  const int64_t len = span.end - span.begin;
-  const int64_t kv_offset = span.kv_head * head_dim;
-  // Offsets of the span's rows, walked block by block (no division per token).
-  std::array<int64_t, MAX_SPAN> rows;  // len <= MAX_SPAN, checked by paged_attention
-  {
-    int64_t block = span.begin / block_size, within = span.begin % block_size;
-    for (int64_t t = 0; t < len; ++t) {
-      rows[t] = (table[block] * block_size + within) * kv_width + kv_offset;
-      if (++within == block_size) {
-        within = 0;
-        ++block;
-      }
+// The cache offsets of the context tokens begin .. end - 1 of one kv head,
+// walked block by block (no division per token). Writes end - begin offsets.
+void span_rows(const int64_t* table, int64_t begin, int64_t end, int64_t kv_offset, int64_t kv_width, int64_t block_size,
+               int64_t* rows) {
+  int64_t block = begin / block_size, within = begin % block_size;
+  for (int64_t t = 0; t < end - begin; ++t) {
+    rows[t] = (table[block] * block_size + within) * kv_width + kv_offset;
+    if (++within == block_size) {
+      within = 0;
+      ++block;
     }
   }
+}
+
+// The first half of a span: scores = q.k * scale for the group's heads, then,
+// per head, m = max and l = sum exp(score - m), the scores left as exp(score - m).
+__attribute__((noinline)) void score_span(const float* qb, const float* kc, const int64_t* rows, int64_t len, int64_t group,
+                                          int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, bool prefetch) {
 #ifdef EMBER_SIMD
   ScoresFn fast_scores = nullptr;
   ValuesFn fast_values = nullptr;
-  const bool fast = span_kernels(group, head_dim, &fast_scores, &fast_values);
-#else
-  const bool fast = false;
-#endif
-#ifdef EMBER_SIMD
-  if (fast) {
-    fast_scores(qb, kc, rows.data(), len, scale, scores);
+  if (span_kernels(group, head_dim, &fast_scores, &fast_values)) {
+    fast_scores(qb, kc, rows, len, scale, scores, prefetch);
   } else
 #endif
   {
@@ -528,22 +522,43 @@ __attribute__((noinline)) void attend_span(const float* qb, const float* kc, con
     m_out[g] = mx;
     l_out[g] = sum;
   }
+}
+
+// The second half: acc (group, Hd) = sum over the span's tokens of p_t v_t,
+// p = score_span's exp(score - m).
+__attribute__((noinline)) void value_span(const float* vc, const int64_t* rows, int64_t len, int64_t group, int64_t head_dim,
+                                          const float* probs, float* acc, bool prefetch) {
 #ifdef EMBER_SIMD
-  if (fast) {
-    fast_values(vc, rows.data(), len, scores, acc);
+  ScoresFn fast_scores = nullptr;
+  ValuesFn fast_values = nullptr;
+  if (span_kernels(group, head_dim, &fast_scores, &fast_values)) {
+    fast_values(vc, rows, len, probs, acc, prefetch);
     return;
   }
 #endif
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t t = 0; t < len; ++t) {
-    if (t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], head_dim);
+    if (prefetch && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], head_dim);
     const float* v = vc + rows[t];
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * len + t];
+      const float p = probs[g * len + t];
       float* a = acc + g * head_dim;
       for (int64_t j = 0; j < head_dim; ++j) a[j] += p * v[j];
     }
   }
+}
+
+// One span of one (row, kv head): score_span, then value_span. Writes acc
+// (group, Hd), m (group) and l (group). Every way paged_attention schedules a
+// span runs these two functions on the same arguments: the same bits.
+void attend_span(const float* qb, const float* kc, const float* vc, const int64_t* table, const AttentionSpan& span, int64_t group,
+                 int64_t head_dim, int64_t kv_width, int64_t block_size, float scale, float* scores, float* acc, float* m_out,
+                 float* l_out) {
+  const int64_t len = span.end - span.begin;
+  std::array<int64_t, MAX_SPAN> rows;  // len <= MAX_SPAN, checked by paged_attention
+  span_rows(table, span.begin, span.end, span.kv_head * head_dim, kv_width, block_size, rows.data());
+  score_span(qb, kc, rows.data(), len, group, head_dim, scale, scores, m_out, l_out, true);
+  value_span(vc, rows.data(), len, group, head_dim, scores, acc, true);
 }
 
 }  // namespace
@@ -647,28 +662,48 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
       tile_start.push_back(batch);
       const int64_t tile_tasks = tiles * num_kv_heads;
       at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(group * span_len), partial;
+        std::vector<float> scores(ATTENTION_TILE * group * span_len), partial;
+        std::array<int64_t, MAX_SPAN> span_offsets;
         std::array<int64_t, ATTENTION_TILE + 1> first{};
         for (int64_t dealt = begin; dealt < end; ++dealt) {
           const int64_t task = dealt % 2 == 0 ? dealt / 2 : tile_tasks - 1 - dealt / 2;
           const int64_t tile = task / num_kv_heads, kvh = task % num_kv_heads;
           const int64_t b0 = tile_start[tile], rows = tile_start[tile + 1] - b0;
           // Row b0 + r keeps its n spans' partials at first[r] .. first[r + 1].
-          int64_t most = 0;
+          int64_t most = 0, longest = 0;
           for (int64_t r = 0; r < rows; ++r) {
             const int64_t n = (lens[b0 + r] + span_len - 1) / span_len;
             first[r + 1] = first[r] + n;
             most = std::max(most, n);
+            longest = std::max(longest, lens[b0 + r]);
           }
           partial.resize(first[rows] * stride);
           for (int64_t i = 0; i < most; ++i) {
-            for (int64_t r = 0; r < rows; ++r) {
-              const int64_t b = b0 + r;
-              if (i >= first[r + 1] - first[r]) continue;
-              const AttentionSpan span{b, kvh, i * span_len, std::min(lens[b], (i + 1) * span_len)};
-              float* part = partial.data() + (first[r] + i) * stride;
-              attend_span(qp + (b * num_heads + kvh * group) * head_dim, kc, vc, table_of(b), span, group, head_dim, kv_width,
-                          block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+            // The tile's rows share one block table: the longest row's offsets
+            // hold every shorter row's as a prefix.
+            const int64_t span_begin = i * span_len;
+            span_rows(table_of(b0), span_begin, std::min(longest, span_begin + span_len), kvh * head_dim, kv_width, block_size,
+                      span_offsets.data());
+            // Every row's scores against the span's keys, then every row's values:
+            // one of K or V in L1 at a time (K and V of a 64-token span are 16 KB
+            // each: row by row, alternating, they spilled Zen 3's 32 KB L1). The
+            // last row (in a prompt chunk the longest) goes first and asks for the
+            // span's rows ahead; the others find them in L1, where asking again
+            // only took load slots (1.09x without it).
+            for (int64_t pass = 0; pass < 2; ++pass) {
+              for (int64_t r = rows - 1; r >= 0; --r) {
+                const int64_t b = b0 + r;
+                if (i >= first[r + 1] - first[r]) continue;
+                const int64_t len = std::min(lens[b], span_begin + span_len) - span_begin;
+                float* part = partial.data() + (first[r] + i) * stride;
+                float* row_scores = scores.data() + r * group * span_len;
+                const bool prefetch = r == rows - 1;
+                if (pass == 0)
+                  score_span(qp + (b * num_heads + kvh * group) * head_dim, kc, span_offsets.data(), len, group, head_dim, sc, row_scores,
+                             part + group * head_dim, part + group * (head_dim + 1), prefetch);
+                else
+                  value_span(vc, span_offsets.data(), len, group, head_dim, row_scores, part, prefetch);
+              }
             }
           }
           for (int64_t r = 0; r < rows; ++r)
