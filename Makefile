@@ -89,6 +89,7 @@ chromium:
 # Benchmarks print their figures next to references measured in the same run.
 bench-engine: test-setup
 	$(BIN)/python -m benchmarks engine --threads $(THREADS)
+	$(BIN)/python -m benchmarks linears --threads $(THREADS)
 
 bench-speculation: test-setup
 	$(BIN)/python -m benchmarks speculation --threads $(THREADS)

@@ -31,6 +31,11 @@ class Experiment:
 EXPERIMENTS: list[Experiment] = [
     Experiment("engine", "the engine alone, in process: decode, prefill and 16-sequence tokens/s vs references", "engine_bench"),
     Experiment(
+        "linears",
+        "the linear layers alone: the W8A16 kernel vs fbgemm's int8 activations, and this core's instruction-mix ceilings",
+        "linears_bench",
+    ),
+    Experiment(
         "structured",
         "the engine alone, in process: decode tokens/s with a JSON-schema constraint vs without (1 and 16 streams)",
         "structured_bench",
