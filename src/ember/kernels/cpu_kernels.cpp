@@ -478,6 +478,8 @@ void span_rows(const int64_t* table, int64_t begin, int64_t end, int64_t kv_offs
 
 // The first half of a span: scores = q.k * scale for the group's heads, then,
 // per head, m = max and l = sum exp(score - m), the scores left as exp(score - m).
+// ``prefetch`` asks for the span's keys ahead; false when an earlier row of the
+// same tile has just brought them into L1. It never changes a result.
 __attribute__((noinline)) void score_span(const float* qb, const float* kc, const int64_t* rows, int64_t len, int64_t group,
                                           int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, bool prefetch) {
 #ifdef EMBER_SIMD
@@ -525,7 +527,7 @@ __attribute__((noinline)) void score_span(const float* qb, const float* kc, cons
 }
 
 // The second half: acc (group, Hd) = sum over the span's tokens of p_t v_t,
-// p = score_span's exp(score - m).
+// p = score_span's exp(score - m); ``prefetch`` as in score_span, for the values.
 __attribute__((noinline)) void value_span(const float* vc, const int64_t* rows, int64_t len, int64_t group, int64_t head_dim,
                                           const float* probs, float* acc, bool prefetch) {
 #ifdef EMBER_SIMD
