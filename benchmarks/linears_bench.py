@@ -4,13 +4,13 @@ Prefill and batched decode spend most of their time in the linear layers, so
 this experiment asks how far those are from what the core can issue, and
 whether int8 activations would move them:
 
-* the W8A16 kernel (``linear_w8a16``, the default numerics) on the embedded
-  model's shapes (every layer's four linears, then the LM head), in
+* the engine's W8A16 layers (``Int8Linear`` on ``linear_w8a16``, the default
+  numerics) on the embedded model's shapes (every layer's four linears, then the LM head), in
   multiply-adds per second, for 1, 16 and 1,000 rows (``--rows``): with every layer's
   weights distinct (streamed from memory, as in the engine) and with one
   layer's weights reused (in cache: the arithmetic alone);
-* torch's own int8-activation GEMM (fbgemm's dynamic quantization, the engine's
-  opt-in ``w8a8``: 7-bit activations without VNNI) on the same shapes, as a
+* the engine's opt-in ``w8a8`` layers (``DynamicInt8Linear``: fbgemm's dynamic
+  quantization, 7-bit activations without VNNI) on the same shapes, as a
   second opinion from a well-kept library;
 * the ceilings of the inner loops' instruction mixes on this core
   (``multiply_ceiling.cpp``, built here with the system compiler; x86-64 with
@@ -74,7 +74,7 @@ def main(args: argparse.Namespace) -> int:
 
     from ember.kernels import cpu
     from ember.model.loader import load_model
-    from ember.model.quant import pack_lanes, quantize_per_channel_int8
+    from ember.model.quant import Numerics, make_linear
 
     torch.set_num_threads(args.threads)
     kernels = cpu.load()
@@ -85,52 +85,41 @@ def main(args: argparse.Namespace) -> int:
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     shapes = [(config.q_size + 2 * kv, h), (h, config.q_size), (2 * config.intermediate_size, h), (h, config.intermediate_size)]
     head = (config.vocab_size // 8 * 8, h)
+    cpu_device = torch.device("cpu")
+    # The engine's own layers: W8A16 lanes (the default) and fbgemm's w8a8 (opt-in).
+    w8a16 = Numerics("int8", torch.float32, cpu_device, kernels)
+    w8a8 = Numerics("w8a8", torch.float32, cpu_device, kernels)
 
-    def lanes(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q, scale = quantize_per_channel_int8(torch.randn(n, k))
-        return pack_lanes(q, pair=True), scale
+    def build(numerics: Numerics, layers: int) -> list[torch.nn.Module]:
+        return [make_linear(torch.randn(n, k), None, numerics) for _ in range(layers) for n, k in shapes]
 
-    def fbgemm(n: int, k: int) -> Any:
-        q, scale = quantize_per_channel_int8(torch.randn(n, k))
-        zero = torch.zeros(n, dtype=torch.int64)
-        return torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(q, scale.double(), zero, 0), None)
-
-    one_layer = [lanes(n, k) for n, k in shapes]
-    distinct = [lanes(n, k) for _ in range(config.num_layers) for n, k in shapes]
-    fbgemm_layers = [fbgemm(n, k) for _ in range(config.num_layers) for n, k in shapes]
-    head_lanes, head_fbgemm = lanes(*head), fbgemm(*head)
-    reduce_range = "avx512_vnni" not in Path("/proc/cpuinfo").read_text(errors="ignore") if Path("/proc/cpuinfo").exists() else True
+    one_layer, distinct, fbgemm_layers = build(w8a16, 1), build(w8a16, config.num_layers), build(w8a8, config.num_layers)
+    head_w8a16, head_w8a8 = make_linear(torch.randn(*head), None, w8a16), make_linear(torch.randn(*head), None, w8a8)
 
     def layer_macs(rows: int) -> int:
         return rows * config.num_layers * sum(n * k for n, k in shapes)
 
-    def run_layers(x: dict[int, torch.Tensor], linear: Any, weights: list[Any]) -> None:
-        for weight, (_, k) in zip(weights, shapes * config.num_layers, strict=True):
-            linear(x[k], weight)  # each output dropped at once, as the engine's are consumed
+    def run_layers(x: dict[int, torch.Tensor], layers: list[torch.nn.Module]) -> None:
+        for layer, (_, k) in zip(layers, shapes * config.num_layers, strict=True):
+            layer(x[k])  # each output dropped at once, as the engine's are consumed
 
     variants = {
-        "W8A16 kernel, weights from memory": lambda x: run_layers(x, lambda xs, w: kernels.linear_w8a16(xs, *w), distinct),
-        "W8A16 kernel, one layer in cache": lambda x: run_layers(
-            x, lambda xs, w: kernels.linear_w8a16(xs, *w), one_layer * config.num_layers
-        ),
-        "fbgemm int8 activations (w8a8)": lambda x: run_layers(
-            x, lambda xs, packed: torch.ops.quantized.linear_dynamic(xs, packed, reduce_range), fbgemm_layers
-        ),
+        "W8A16 kernel, weights from memory": lambda x: run_layers(x, distinct),
+        "W8A16 kernel, one layer in cache": lambda x: run_layers(x, one_layer * config.num_layers),
+        "fbgemm int8 activations (w8a8)": lambda x: run_layers(x, fbgemm_layers),
     }
-    head_variants = {
-        "W8A16 kernel, weights from memory": lambda x: kernels.linear_w8a16(x, *head_lanes),
-        "fbgemm int8 activations (w8a8)": lambda x: torch.ops.quantized.linear_dynamic(x, head_fbgemm, reduce_range),
-    }
+    head_variants = {"W8A16 kernel, weights from memory": head_w8a16, "fbgemm int8 activations (w8a8)": head_w8a8}
     figures: dict[str, dict[str, float]] = {name: {} for name in variants}
     head_figures: dict[str, dict[str, float]] = {name: {} for name in head_variants}
     row_counts = [int(r) for r in args.rows.split(",")]
     for rows in row_counts:
         x = {k: torch.randn(rows, k) for k in {k for _, k in shapes}}
         times: dict[str, list[float]] = {name: [] for name in variants}
+        for variant in variants.values():
+            variant(x)  # the first call of a shape pays for allocations
         for round_ in range(args.rounds if rows < 1000 else max(2, args.rounds // 2)):
             order = list(variants) if round_ % 2 == 0 else list(variants)[::-1]
             for name in order:
-                variants[name](x)  # the first call of a shape pays for allocations
                 started = time.perf_counter()
                 variants[name](x)
                 times[name].append(time.perf_counter() - started)
