@@ -42,6 +42,11 @@ QUOTED_REFERENCES = {
     "vLLM CPU 0.32.0 bf16": {"decode_tps": 53.0, "prefill_tps": 2065.0, "aggregate_tps": 400.0},
     "transformers generate fp32": {"decode_tps": 24.0},
 }
+# The W8A16 kernel's earlier defaults, run by the same engine (`--modes ...:no-prefetch`).
+KERNEL_PATHS = {
+    "no-prefetch": "previous default (no next-unit prefetch)",
+    "avx2": "default before that (one-block AVX2)",
+}
 # Issue 12 (set on the 2-core AVX-512 machine; this AVX2 one has no VNNI or BF16 dot products).
 TARGETS = {"decode_tps": 150.0, "prefill_tps": 2300.0, "aggregate_tps": 700.0}
 
@@ -65,10 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
         "--modes",
-        default="float32:int8,float32:int8:avx2,float32:int8:previous",
-        help="comma-separated dtype:quantization[:previous|:avx2] to measure; ':previous' takes the previous per-shape kernels "
-        "(--no-batch-invariant), ':avx2' the batch-invariant W8A16 kernel on its one-block AVX2 code, without its AVX-512 VNNI, AMX "
-        "and two-block AVX2 paths (the previous default; the same bits)",
+        default="float32:int8,float32:int8:no-prefetch,float32:int8:previous",
+        help="comma-separated dtype:quantization[:previous|:no-prefetch|:avx2] to measure; ':previous' takes the previous per-shape "
+        "kernels (--no-batch-invariant), ':no-prefetch' the batch-invariant W8A16 kernel without its next-unit prefetch (the previous "
+        "default), ':avx2' the same kernel on its one-block AVX2 code, without its AVX-512 VNNI, AMX and two-block AVX2 paths (the "
+        "default before that); each the same bits",
     )
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
@@ -87,17 +93,18 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
-    # Modes that differ only in the W8A16 kernel's path (':avx2') share one engine
-    # and take turns round by round: this machine's speed moves by tens of per
-    # cent between stretches of minutes, and measured one after the other the same
-    # decode kernel read 0.69x of itself.
-    engines: dict[tuple[str, str, bool], list[tuple[int, bool]]] = {}
+    # Modes that differ only in the W8A16 kernel's path (':no-prefetch', ':avx2') share
+    # one engine and take turns round by round: this machine's speed moves by tens
+    # of per cent between stretches of minutes, and measured one after the other the
+    # same decode kernel read 0.69x of itself.
+    engines: dict[tuple[str, str, bool], list[tuple[int, str]]] = {}
     for index, mode in enumerate(args.modes.split(",")):
         dtype, quantization, *flags = mode.split(":")
-        engines.setdefault((dtype, quantization, "previous" not in flags), []).append((index, "avx2" in flags))
+        path = next((flag for flag in flags if flag in KERNEL_PATHS), "")
+        engines.setdefault((dtype, quantization, "previous" not in flags), []).append((index, path))
     measured: dict[int, EngineFigures] = {}
     for (dtype, quantization, batch_invariant), variants in engines.items():
-        figures = measure_engine(args, dtype, quantization, batch_invariant, [avx2_only for _, avx2_only in variants])
+        figures = measure_engine(args, dtype, quantization, batch_invariant, [path for _, path in variants])
         measured.update(zip((index for index, _ in variants), figures, strict=True))
     rows = [measured[index] for index in sorted(measured)]
     reference = None if args.no_reference else measure_transformers(args)
@@ -115,20 +122,23 @@ def main(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _w8a16_isa(avx2_only: bool) -> Iterator[None]:
-    """With ``avx2_only``, the W8A16 kernel runs on its one-block AVX2 code, without its AVX-512 VNNI,
-    AMX and two-block AVX2 paths (the same bits), while inside."""
+def _w8a16_path(path: str) -> Iterator[None]:
+    """While inside, the W8A16 kernel runs as ``path`` says (a key of KERNEL_PATHS; "" as it comes):
+    without its next-unit prefetch, or on its one-block AVX2 code. The same bits either way."""
     from ember.kernels import cpu
 
-    kernels = cpu.load() if avx2_only else None
+    kernels = cpu.load() if path else None
     if kernels is None:
         yield
         return
-    previous = kernels.set_w8a16_ceiling("avx2")
+    previous_ceiling = kernels.set_w8a16_ceiling("avx2") if path == "avx2" else None
+    previous_prefetch = kernels.set_w8a16_prefetch(path != "no-prefetch")
     try:
         yield
     finally:
-        kernels.set_w8a16_ceiling(previous)
+        if previous_ceiling is not None:
+            kernels.set_w8a16_ceiling(previous_ceiling)
+        kernels.set_w8a16_prefetch(previous_prefetch)
 
 
 def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):
@@ -151,23 +161,20 @@ def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invar
 
 
 def measure_engine(
-    args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True, variants: list[bool] | None = None
+    args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True, variants: list[str] | None = None
 ) -> list[EngineFigures]:
-    """Loads one engine and measures it once per variant: ``True`` runs the W8A16 kernel on its one-block
-    AVX2 code (the previous default), ``False`` as it comes. The variants take turns within every round
+    """Loads one engine and measures it once per variant, a W8A16 kernel path (a key of KERNEL_PATHS,
+    "" for the kernel as it comes). The variants take turns within every round
     (``args.repeats`` rounds, the order reversed every other round) and each figure is the median of its
     rounds, so a slow stretch of the machine moves every variant alike."""
     from ember.engine.sampling import SamplingParams
 
-    variants = variants or [False]
+    variants = variants or [""]
     started = time.perf_counter()
     engine = _engine(args, dtype, quantization, batch_invariant)
     load_s = time.perf_counter() - started
     kernels = "batch-invariant" if engine.model.batch_invariant else "previous kernels"
-    rows = [
-        EngineFigures(mode=f"{dtype}/{quantization}, {'previous default (one-block AVX2)' if avx2_only else kernels}", load_s=load_s)
-        for avx2_only in variants
-    ]
+    rows = [EngineFigures(mode=f"{dtype}/{quantization}, {KERNEL_PATHS[path] if path else kernels}", load_s=load_s) for path in variants]
     tok = engine.tokenizer
     greedy = lambda n, i=0: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     sampled = lambda n, i: SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True)  # noqa: E731
@@ -181,7 +188,7 @@ def measure_engine(
         order = range(len(variants)) if round_ % 2 == 0 else reversed(range(len(variants)))
         for v in order:
             run = round_ * len(variants) + v
-            with _w8a16_isa(avx2_only=variants[v]):
+            with _w8a16_path(variants[v]):
                 # Single stream: time per decode step after the first token.
                 engine.add_request(
                     f"single-{run}",

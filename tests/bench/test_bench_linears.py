@@ -22,7 +22,12 @@ def test_linears_bench_writes_figures(tmp_path, capsys):
     out = tmp_path / "linears.json"
     assert main(["linears", "--rows", "1,16", "--rounds", "1", "--out", str(out)]) == 0
     figures = json.loads(out.read_text())
-    assert set(figures["layers"]) == {"W8A16 kernel, weights from memory", "W8A16 kernel, one layer in cache", "fbgemm int8 activations (w8a8)"}
+    assert set(figures["layers"]) == {
+        "W8A16 kernel, weights from memory",
+        "the same without the next-unit prefetch (previous default)",
+        "W8A16 kernel, one layer in cache",
+        "fbgemm int8 activations (w8a8)",
+    }
     for by_rows in figures["layers"].values():
         assert set(by_rows) == {"1", "16"} and all(value > 0 for value in by_rows.values())
     assert all(value > 0 for by_rows in figures["lm_head"].values() for value in by_rows.values())

@@ -208,28 +208,31 @@ def _w8a16_by_definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
 @pytest.mark.parametrize("in_features", [576, 600, 1536])
 def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa):
     """Every instruction set (AMX tiles, AVX-512 VNNI, AVX2 two blocks or one at a time, plain loops)
-    computes the same integer dots and the same float epilogue: the bits equal the arithmetic written
-    out in torch. 48 outputs: a pair of 16-output tiles and a lone one (three pairs of 8-output blocks
-    for VNNI and the paired AVX2 kernel); 40 outputs: an odd block count, which both leave to the
-    one-block kernel; 1-40 rows: under and over each kernel's row threshold, whole and partial row
-    tiles and 8/4/3/1-row blocks."""
+    computes the same integer dots and the same float epilogue, with the next-unit prefetch or
+    without: the bits equal the arithmetic written out in torch. 48 outputs: a pair of 16-output
+    tiles and a lone one (three pairs of 8-output blocks for VNNI and the paired AVX2 kernel); 40
+    outputs: an odd block count, which both leave to the one-block kernel; 1-70 rows: under and over
+    each kernel's row threshold, one row tile and two, and 8/4/3/1-row blocks."""
     if isa == "amx" and not k.amx_available():
         pytest.skip("this CPU (or kernel) has no AMX tiles: the vector paths are the ones that run")
     if isa == "vnni" and not k.vnni_available():
         pytest.skip("this CPU has no AVX-512 VNNI: the AVX2 paths are the ones that run")
     torch.manual_seed(5)
-    x = torch.randn(40, in_features) * 2
+    x = torch.randn(70, in_features) * 2
     x[1, 3] = 60.0
     x[7, :] = 0.0
-    previous = k.set_w8a16_ceiling(isa)
+    previous, previous_prefetch = k.set_w8a16_ceiling(isa), k.set_w8a16_prefetch(True)
     try:
         for outputs in (48, 40):
             _, q, scale, lanes8, _ = _lane_weights(outputs, in_features, 4)
-            for rows in (1, 2, 3, 4, 5, 9, 13, 16, 33, 40):
-                got = k.linear_w8a16(x[:rows], lanes8, scale)
-                assert torch.equal(got, _w8a16_by_definition(x[:rows], q, scale)), (outputs, rows)
+            for rows in (1, 2, 3, 4, 5, 9, 13, 16, 33, 40, 70):
+                expected = _w8a16_by_definition(x[:rows], q, scale)
+                for prefetch in (True, False):
+                    k.set_w8a16_prefetch(prefetch)
+                    assert torch.equal(k.linear_w8a16(x[:rows], lanes8, scale), expected), (outputs, rows, prefetch)
     finally:
         k.set_w8a16_ceiling(previous)
+        k.set_w8a16_prefetch(previous_prefetch)
 
 
 def test_lane_linears_do_not_depend_on_the_rows_in_the_call(k):
@@ -438,6 +441,15 @@ def test_sample_rows_draws_the_inverse_cdf_of_the_kept_tokens(k, tail, temperatu
     last = _inverse_cdf(kept, 0.9999999)
     if tail is not None:
         assert last != 7 and draw(0.9999999) != 7, "the nucleus reaches into the tail"
+
+
+def test_w8a16_prefetch_switch_returns_its_previous_state(k):
+    """The bench's switch for the next-unit prefetch is on by default and says what it was."""
+    assert k.set_w8a16_prefetch(False) is True
+    try:
+        assert k.set_w8a16_prefetch(False) is False
+    finally:
+        assert k.set_w8a16_prefetch(True) is False
 
 
 def test_w8a16_ceiling_names_its_paths_and_rejects_others(k):

@@ -37,6 +37,7 @@ Tensor linear_f32_lanes(Tensor x, Tensor w);
 std::string set_w8a16_ceiling(const std::string& path);
 bool amx_available();
 bool vnni_available();
+bool set_w8a16_prefetch(bool on);
 
 namespace {
 
@@ -1348,6 +1349,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_w8a16_ceiling", &set_w8a16_ceiling);
   m.def("amx_available", &amx_available);
   m.def("vnni_available", &vnni_available);
+  m.def("set_w8a16_prefetch", &set_w8a16_prefetch);
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());
