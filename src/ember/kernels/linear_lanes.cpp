@@ -178,10 +178,16 @@ void quantize_row(const float* x, int64_t k, int16_t* codes, float* scales) {
 // dot chain to the stack, 0.7x). Unrolling the pair loop twice gives the
 // scheduler room between the broadcasts and the multiplies (+15-35 % there).
 // A lane's arithmetic is the same whatever BLOCKS and R: the same bits.
-template <int BLOCKS, int R>
+//
+// A call with something to prefetch runs the PREFETCH copy of the loop; the
+// others (every call of a lone decode row) keep a loop without the trickle's
+// per-pair check, so that memory-bound rows pay nothing for it.
+template <int BLOCKS, int R, bool PREFETCH = false>
 void block_w8a16(const int8_t* wb, const int16_t* codes, const float* scales, int64_t k, int64_t groups,
                  const float* wscale, float* out, int64_t out_stride, const Prefetch& prefetch = {}) {
 #ifdef EMBER_AVX2
+  if constexpr (!PREFETCH)
+    if (prefetch.lines > 0) return block_w8a16<BLOCKS, R, true>(wb, codes, scales, k, groups, wscale, out, out_stride, prefetch);
   PrefetchTrickle trickle(prefetch, k / 2);
   __m256 acc[BLOCKS][R];
   for (int b = 0; b < BLOCKS; ++b)
@@ -193,7 +199,7 @@ void block_w8a16(const int8_t* wb, const int16_t* codes, const float* scales, in
       for (int r = 0; r < R; ++r) dot[b][r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int64_t p = p0; p < p1; ++p) {
-      trickle.step();
+      if constexpr (PREFETCH) trickle.step();
       __m256i w[BLOCKS];
       for (int b = 0; b < BLOCKS; ++b)
         w[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b * k * LANES + p * 16)));
