@@ -30,7 +30,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,9 @@ def measure_engine(
     args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool = True, variants: list[str] | None = None
 ) -> list[EngineFigures]:
     """Loads one engine and measures it once per variant, a W8A16 kernel path (a key of KERNEL_PATHS,
-    "" for the kernel as it comes). The variants take turns within every round
-    (``args.repeats`` rounds, the order reversed every other round) and each figure is the median of its
-    rounds, so a slow stretch of the machine moves every variant alike."""
+    "" for the kernel as it comes). Decode runs switch the variant every step (``_decode``); prefill
+    runs take turns within every round (the order reversed every other round). Each figure is the
+    median of ``args.repeats`` rounds, so a slow stretch of the machine moves every variant alike."""
     from ember.engine.sampling import SamplingParams
 
     variants = variants or [""]
@@ -178,36 +179,38 @@ def measure_engine(
     tok = engine.tokenizer
     greedy = lambda n, i=0: SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)  # noqa: E731
     sampled = lambda n, i: SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, seed=i, ignore_eos=True)  # noqa: E731
+    story = tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}])
+    poems = [tok.encode_chat([{"role": "user", "content": f"Write a poem about the number {i}."}]) for i in range(args.concurrency)]
 
     # Warm-up: first calls pay for allocations and kernel selection.
     engine.add_request("warm", tok.encode_chat([{"role": "user", "content": "Hello"}]), greedy(16))
     _drain(engine)
 
     runs: list[dict[str, list[float]]] = [{} for _ in variants]
+
+    def record(key: str, values: list[float]) -> None:
+        for run, value in zip(runs, values, strict=True):
+            run.setdefault(key, []).append(value)
+
     for round_ in range(args.repeats):
+        # Prefill: one forward per variant, taking turns (the order reversed every
+        # other round); unique tokens in every run, so no cache can help.
         order = range(len(variants)) if round_ % 2 == 0 else reversed(range(len(variants)))
         for v in order:
             run = round_ * len(variants) + v
+            vocab = engine.model_config.vocab_size - 100
+            prompt = [(i * 7919 + 13 + 104729 * run) % vocab + 50 for i in range(args.prefill_tokens)]
             with _w8a16_path(variants[v]):
-                # Single stream: time per decode step after the first token.
-                engine.add_request(
-                    f"single-{run}",
-                    tok.encode_chat([{"role": "user", "content": "Tell me a long story about a dragon."}]),
-                    greedy(args.decode_tokens),
-                )
-                stamps = _drain(engine)[f"single-{run}"]
-                runs[v].setdefault("decode_tps", []).append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-                # Prefill: unique tokens in every run, so no cache can help.
-                vocab = engine.model_config.vocab_size - 100
-                prompt = [(i * 7919 + 13 + 104729 * run) % vocab + 50 for i in range(args.prefill_tokens)]
                 t0 = time.perf_counter()
                 engine.add_request(f"prefill-{run}", prompt, greedy(1))
                 _drain(engine)
                 runs[v].setdefault("prefill_tps", []).append(args.prefill_tokens / (time.perf_counter() - t0))
-                tps, overhead = _aggregate(engine, args, greedy)
-                runs[v].setdefault("aggregate_tps", []).append(tps)
-                runs[v].setdefault("step_overhead_ms", []).append(overhead)
-                runs[v].setdefault("aggregate_sampled_tps", []).append(_aggregate(engine, args, sampled)[0])
+        # Decode: the variants take turns step by step within the same requests.
+        record("decode_tps", _decode(engine, [story], lambda i: greedy(args.decode_tokens), variants)[0])
+        tps, overhead = _decode(engine, poems, lambda i: greedy(args.aggregate_tokens, i), variants)
+        record("aggregate_tps", tps)
+        record("step_overhead_ms", [overhead] * len(variants))
+        record("aggregate_sampled_tps", _decode(engine, poems, lambda i: sampled(args.aggregate_tokens, i), variants)[0])
     weight_bytes_per_param, rss_mb = _memory(engine)
     for figures, measured in zip(rows, runs, strict=True):
         for key, values in measured.items():
@@ -248,17 +251,17 @@ def _memory(engine) -> tuple[float, dict[str, float]]:
     }
 
 
-def _aggregate(engine, args: argparse.Namespace, params) -> tuple[float, float]:
-    """All sequences decoding together: tokens/s over the steps where all decode, and the step loop's median overhead (ms)."""
-    tok = engine.tokenizer
-    for i in range(args.concurrency):
-        engine.add_request(
-            f"agg-{i}",
-            tok.encode_chat([{"role": "user", "content": f"Write a poem about the number {i}."}]),
-            params(args.aggregate_tokens, i),
-        )
+def _decode(engine, prompts: list[list[int]], params: Callable[[int], Any], variants: list[str]) -> tuple[list[float], float]:
+    """Decodes ``prompts`` together to the end, the W8A16 path switching every step, in turn, through
+    ``variants``: tokens/s per variant over the steps where every sequence decodes, and the step loop's
+    median overhead (ms: wall time of ``step()`` minus the model's forward and sampling).
+
+    Neighbouring steps see the machine in the same mood, so the variants' ratio holds even while this
+    machine's speed drifts by tens of per cent from one stretch of seconds to the next."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"decode-{uuid.uuid4().hex}-{i}", prompt, params(i))
     overhead: list[float] = []
-    decode_steps: list[tuple[float, int]] = []
+    seconds, tokens = [0.0] * len(variants), [0] * len(variants)
     forward_time = [0.0]
     original = engine.runner.execute
 
@@ -269,18 +272,24 @@ def _aggregate(engine, args: argparse.Namespace, params) -> tuple[float, float]:
         return out
 
     engine.runner.execute = timed_execute
-    while engine.has_unfinished():
-        before_forward = forward_time[0]
-        t = time.perf_counter()
-        outs = engine.step()
-        wall = time.perf_counter() - t
-        overhead.append(wall - (forward_time[0] - before_forward))
-        if len(outs) == args.concurrency and all(o.new_token_ids for o in outs):
-            decode_steps.append((wall, len(outs)))
-    engine.runner.execute = original
-    tps = sum(n for _, n in decode_steps) / sum(w for w, _ in decode_steps) if decode_steps else 0.0
+    step = 0
+    try:
+        while engine.has_unfinished():
+            v = step % len(variants)
+            step += 1
+            with _w8a16_path(variants[v]):
+                before_forward = forward_time[0]
+                t = time.perf_counter()
+                outs = engine.step()
+                wall = time.perf_counter() - t
+            overhead.append(wall - (forward_time[0] - before_forward))
+            if len(outs) == len(prompts) and all(o.new_token_ids for o in outs):
+                seconds[v] += wall
+                tokens[v] += len(outs)
+    finally:
+        engine.runner.execute = original
     overhead.sort()
-    return tps, 1000 * overhead[len(overhead) // 2]
+    return [n / s if s else 0.0 for n, s in zip(tokens, seconds, strict=True)], 1000 * overhead[len(overhead) // 2]
 
 
 def _drain(engine) -> dict[str, list[float]]:
