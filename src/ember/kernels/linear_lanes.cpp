@@ -84,13 +84,21 @@ constexpr int64_t CACHE_LINE = 64;
 // only by tests and benchmarks, to measure the previous default in the same run.
 bool w8a16_prefetch = true;
 
-// Cache lines of the next weight unit that one kernel call asks for while it
-// works on weights already in cache (see for_lane_blocks): `lines` lines from
-// `from`, spread evenly over the call's pass. Empty: nothing to ask for.
+// What one kernel call asks the memory for (see for_lane_blocks). Empty:
+// nothing. Either `lines` cache lines of the next weight unit from `from`,
+// spread evenly over the call's pass (it works on weights already in cache), or
+// `ahead`: it streams its own weights from memory, so it asks for them
+// STREAM_AHEAD bytes before it reads them.
 struct Prefetch {
   const char* from = nullptr;
   int64_t lines = 0;
+  bool ahead = false;
 };
+// How far ahead a call that streams its weights asks for them. The hardware
+// prefetcher stops at 4 KB pages; a lone decode row (one call per unit, every
+// unit from DRAM) measured 1.06x with 4-16 KB (engine decode steps, the
+// variants flipped every step), 1.03x with 1 KB.
+constexpr int64_t STREAM_AHEAD = 4096;
 
 // Issues a Prefetch's requests, one every `every` steps of a pass of `steps`
 // steps, so that they trickle out between the arithmetic instead of flooding
@@ -180,14 +188,14 @@ void quantize_row(const float* x, int64_t k, int16_t* codes, float* scales) {
 // A lane's arithmetic is the same whatever BLOCKS and R: the same bits.
 //
 // A call with something to prefetch runs the PREFETCH copy of the loop; the
-// others (every call of a lone decode row) keep a loop without the trickle's
-// per-pair check, so that memory-bound rows pay nothing for it.
+// others (a unit's first call when the calls before it asked for its weights,
+// later row tiles) keep the loop without its per-pair checks.
 template <int BLOCKS, int R, bool PREFETCH = false>
 void block_w8a16(const int8_t* wb, const int16_t* codes, const float* scales, int64_t k, int64_t groups,
                  const float* wscale, float* out, int64_t out_stride, const Prefetch& prefetch = {}) {
 #ifdef EMBER_AVX2
   if constexpr (!PREFETCH)
-    if (prefetch.lines > 0) return block_w8a16<BLOCKS, R, true>(wb, codes, scales, k, groups, wscale, out, out_stride, prefetch);
+    if (prefetch.lines > 0 || prefetch.ahead) return block_w8a16<BLOCKS, R, true>(wb, codes, scales, k, groups, wscale, out, out_stride, prefetch);
   PrefetchTrickle trickle(prefetch, k / 2);
   __m256 acc[BLOCKS][R];
   for (int b = 0; b < BLOCKS; ++b)
@@ -199,7 +207,11 @@ void block_w8a16(const int8_t* wb, const int16_t* codes, const float* scales, in
       for (int r = 0; r < R; ++r) dot[b][r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int64_t p = p0; p < p1; ++p) {
-      if constexpr (PREFETCH) trickle.step();
+      if constexpr (PREFETCH) {
+        trickle.step();
+        if (prefetch.ahead && (p & 3) == 0)  // a cache line per stream every 4 pairs
+          for (int b = 0; b < BLOCKS; ++b) __builtin_prefetch(wb + b * k * LANES + p * 16 + STREAM_AHEAD, 0, 3);
+      }
       __m256i w[BLOCKS];
       for (int b = 0; b < BLOCKS; ++b)
         w[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b * k * LANES + p * 16)));
@@ -350,9 +362,11 @@ int64_t row_calls(int64_t rows) {
 // equal share of the thread's next unit. A pass over the model's linears, the
 // variants flipped every round in one process (AMD Zen 3): 4 rows 1.10-1.15x,
 // 8 rows 1.15-1.18x, 16 rows 1.09-1.11x; 1 to 3 rows make one call per unit and
-// gain nothing. Later tiles find their units in L2 (prefetching there too
-// measured 0.99x at 1,000 rows), so they ask for nothing. The VNNI and float32
-// lanes paths pass no weights: this has not been measured on a CPU with VNNI.
+// gain nothing from that. They stream every unit from memory instead, so each
+// of their calls asks for its own weights ahead (Prefetch::ahead). Later tiles
+// find their units in L2 (prefetching there too measured 0.99x at 1,000 rows),
+// so they ask for nothing. The VNNI and float32 lanes paths pass no weights:
+// this has not been measured on a CPU with VNNI.
 template <int BLOCKS, int WIDE, typename Block>
 void for_lane_blocks(int64_t m, int64_t n, float* y, const void* weights, int64_t unit_bytes, Block block) {
   const int64_t units = n / (LANES * BLOCKS);
@@ -368,6 +382,7 @@ void for_lane_blocks(int64_t m, int64_t n, float* y, const void* weights, int64_
         const int64_t next = base != nullptr && t0 == 0 && u + 1 < u1 ? u + 1 : -1;
         int64_t call = 0;
         auto prefetch = [&]() -> Prefetch {
+          if (base != nullptr && shared_by == 0) return {nullptr, 0, true};
           const int64_t first = (call++ - 1) * share;
           if (next < 0 || first < 0 || first >= unit_lines) return {};
           return {base + next * unit_bytes + first * CACHE_LINE, std::min(share, unit_lines - first)};
