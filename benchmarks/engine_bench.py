@@ -45,7 +45,7 @@ QUOTED_REFERENCES = {
 }
 # The W8A16 kernel's earlier defaults, run by the same engine (`--modes ...:no-prefetch`).
 KERNEL_PATHS = {
-    "no-prefetch": "previous default (no next-unit prefetch)",
+    "no-prefetch": "previous default (no weight prefetch)",
     "avx2": "default before that (one-block AVX2)",
 }
 # Issue 12 (set on the 2-core AVX-512 machine; this AVX2 one has no VNNI or BF16 dot products).
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes",
         default="float32:int8,float32:int8:no-prefetch,float32:int8:previous",
         help="comma-separated dtype:quantization[:previous|:no-prefetch|:avx2] to measure; ':previous' takes the previous per-shape "
-        "kernels (--no-batch-invariant), ':no-prefetch' the batch-invariant W8A16 kernel without its next-unit prefetch (the previous "
+        "kernels (--no-batch-invariant), ':no-prefetch' the batch-invariant W8A16 kernel without its weight prefetch (the previous "
         "default), ':avx2' the same kernel on its one-block AVX2 code, without its AVX-512 VNNI, AMX and two-block AVX2 paths (the "
         "default before that); each the same bits",
     )
@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def _w8a16_path(path: str) -> Iterator[None]:
     """While inside, the W8A16 kernel runs as ``path`` says (a key of KERNEL_PATHS; "" as it comes):
-    without its next-unit prefetch, or on its one-block AVX2 code. The same bits either way."""
+    without its weight prefetch, or on its one-block AVX2 code. The same bits either way."""
     from ember.kernels import cpu
 
     kernels = cpu.load() if path else None

@@ -208,7 +208,7 @@ def _w8a16_by_definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
 @pytest.mark.parametrize("in_features", [576, 600, 1536])
 def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa):
     """Every instruction set (AMX tiles, AVX-512 VNNI, AVX2 two blocks or one at a time, plain loops)
-    computes the same integer dots and the same float epilogue, with the next-unit prefetch or
+    computes the same integer dots and the same float epilogue, with the weight prefetch or
     without: the bits equal the arithmetic written out in torch. 48 outputs: a pair of 16-output
     tiles and a lone one (three pairs of 8-output blocks for VNNI and the paired AVX2 kernel); 40
     outputs: an odd block count, which both leave to the one-block kernel; 1-70 rows: under and over
@@ -444,7 +444,7 @@ def test_sample_rows_draws_the_inverse_cdf_of_the_kept_tokens(k, tail, temperatu
 
 
 def test_w8a16_prefetch_switch_returns_its_previous_state(k):
-    """The bench's switch for the next-unit prefetch is on by default and says what it was."""
+    """The bench's switch for the weight prefetch is on by default and says what it was."""
     assert k.set_w8a16_prefetch(False) is True
     try:
         assert k.set_w8a16_prefetch(False) is False

@@ -80,8 +80,9 @@ constexpr float INT16_MAX_F = 32767.f;
 // Rows of x kept hot in the cache while a thread walks its outputs.
 constexpr int64_t ROW_TILE = 64;
 constexpr int64_t CACHE_LINE = 64;
-// Whether W8A16 calls prefetch their next weight unit (for_lane_blocks); lowered
-// only by tests and benchmarks, to measure the previous default in the same run.
+// Whether W8A16 calls prefetch their weights (for_lane_blocks: the next unit, or
+// their own stream ahead); lowered only by tests and benchmarks, to measure the
+// previous default in the same run.
 bool w8a16_prefetch = true;
 
 // What one kernel call asks the memory for (see for_lane_blocks). Empty:
@@ -480,8 +481,8 @@ std::string set_w8a16_ceiling(const std::string& path) {
   TORCH_CHECK(false, "set_w8a16_ceiling: unknown path '", path, "' (amx, vnni, avx2-pairs or avx2)");
 }
 
-// Turns the W8A16 kernels' next-unit prefetch on or off (the same bits either
-// way); returns whether it was on. For tests and benchmarks.
+// Turns the W8A16 kernels' weight prefetch (next unit and stream ahead) on or off (the
+// same bits either way); returns whether it was on. For tests and benchmarks.
 bool set_w8a16_prefetch(bool on) {
   const bool previous = w8a16_prefetch;
   w8a16_prefetch = on;
