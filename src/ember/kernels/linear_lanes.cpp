@@ -97,9 +97,12 @@ struct Prefetch {
 };
 // How far ahead a call that streams its weights asks for them. The hardware
 // prefetcher stops at 4 KB pages; a lone decode row (one call per unit, every
-// unit from DRAM) measured 1.06x with 4-16 KB (engine decode steps, the
+// unit from DRAM) measured 1.06-1.09x with 4-16 KB (engine decode steps, the
 // variants flipped every step), 1.03x with 1 KB.
 constexpr int64_t STREAM_AHEAD = 4096;
+// Units with more calls than this (in a row tile) prefetch nothing: 6 calls is
+// 16 rows in blocks of 3 (see for_lane_blocks).
+constexpr int64_t MAX_PREFETCHING_CALLS = 6;
 
 // Issues a Prefetch's requests, one every `every` steps of a pass of `steps`
 // steps, so that they trickle out between the arithmetic instead of flooding
@@ -188,15 +191,21 @@ void quantize_row(const float* x, int64_t k, int16_t* codes, float* scales) {
 // scheduler room between the broadcasts and the multiplies (+15-35 % there).
 // A lane's arithmetic is the same whatever BLOCKS and R: the same bits.
 //
-// A call with something to prefetch runs the PREFETCH copy of the loop; the
-// others (a unit's first call when the calls before it asked for its weights,
-// later row tiles) keep the loop without its per-pair checks.
-template <int BLOCKS, int R, bool PREFETCH = false>
+// Each kind of Prefetch runs its own copy of the loop (ASKS): the next unit's
+// share (NEXT_UNIT), the call's own stream ahead (AHEAD) or nothing (NOTHING:
+// a unit's first call when the calls before it asked for its weights, later
+// row tiles). A check per pair that a call does not need cost the arithmetic-
+// bound calls up to 7 % (63 rows).
+enum class Asks { NOTHING, NEXT_UNIT, AHEAD };
+template <int BLOCKS, int R, Asks ASKS = Asks::NOTHING>
 void block_w8a16(const int8_t* wb, const int16_t* codes, const float* scales, int64_t k, int64_t groups,
                  const float* wscale, float* out, int64_t out_stride, const Prefetch& prefetch = {}) {
 #ifdef EMBER_AVX2
-  if constexpr (!PREFETCH)
-    if (prefetch.lines > 0 || prefetch.ahead) return block_w8a16<BLOCKS, R, true>(wb, codes, scales, k, groups, wscale, out, out_stride, prefetch);
+  if constexpr (ASKS == Asks::NOTHING) {
+    if (prefetch.lines > 0)
+      return block_w8a16<BLOCKS, R, Asks::NEXT_UNIT>(wb, codes, scales, k, groups, wscale, out, out_stride, prefetch);
+    if (prefetch.ahead) return block_w8a16<BLOCKS, R, Asks::AHEAD>(wb, codes, scales, k, groups, wscale, out, out_stride, prefetch);
+  }
   PrefetchTrickle trickle(prefetch, k / 2);
   __m256 acc[BLOCKS][R];
   for (int b = 0; b < BLOCKS; ++b)
@@ -208,11 +217,10 @@ void block_w8a16(const int8_t* wb, const int16_t* codes, const float* scales, in
       for (int r = 0; r < R; ++r) dot[b][r] = _mm256_setzero_si256();
 #pragma GCC unroll 2
     for (int64_t p = p0; p < p1; ++p) {
-      if constexpr (PREFETCH) {
-        trickle.step();
-        if (prefetch.ahead && (p & 3) == 0)  // a cache line per stream every 4 pairs
+      if constexpr (ASKS == Asks::NEXT_UNIT) trickle.step();
+      if constexpr (ASKS == Asks::AHEAD)
+        if ((p & 3) == 0)  // a cache line per stream every 4 pairs
           for (int b = 0; b < BLOCKS; ++b) __builtin_prefetch(wb + b * k * LANES + p * 16 + STREAM_AHEAD, 0, 3);
-      }
       __m256i w[BLOCKS];
       for (int b = 0; b < BLOCKS; ++b)
         w[b] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + b * k * LANES + p * 16)));
@@ -361,12 +369,15 @@ int64_t row_calls(int64_t rows) {
 // are bound by arithmetic, so the memory sat idle while they ran and the next
 // unit's first call stalled on it. Now each of those later calls asks for an
 // equal share of the thread's next unit. A pass over the model's linears, the
-// variants flipped every round in one process (AMD Zen 3): 4 rows 1.10-1.15x,
-// 8 rows 1.15-1.18x, 16 rows 1.09-1.11x; 1 to 3 rows make one call per unit and
+// variants flipped every round in one process (AMD Zen 3): 4 rows 1.07-1.15x,
+// 8 rows 1.15-1.18x, 16 rows 1.07-1.12x; 1 to 3 rows make one call per unit and
 // gain nothing from that. They stream every unit from memory instead, so each
 // of their calls asks for its own weights ahead (Prefetch::ahead). Later tiles
 // find their units in L2 (prefetching there too measured 0.99x at 1,000 rows),
-// so they ask for nothing. The VNNI and float32 lanes paths pass no weights:
+// so they ask for nothing, and so do units with more than MAX_PREFETCHING_CALLS
+// calls: their arithmetic hides the first call's stall, and the prefetching
+// loop's per-pair check cost more than it saved (0.97x at 32 rows, 0.93x at
+// 63). The VNNI and float32 lanes paths pass no weights:
 // this has not been measured on a CPU with VNNI.
 template <int BLOCKS, int WIDE, typename Block>
 void for_lane_blocks(int64_t m, int64_t n, float* y, const void* weights, int64_t unit_bytes, Block block) {
@@ -377,13 +388,13 @@ void for_lane_blocks(int64_t m, int64_t n, float* y, const void* weights, int64_
     constexpr int64_t tile = ROW_TILE / WIDE * WIDE;
     for (int64_t t0 = 0; t0 < m; t0 += tile) {
       const int64_t t1 = std::min(m, t0 + tile);
-      const int64_t shared_by = row_calls<WIDE>(t1 - t0) - 1;
+      const int64_t calls = row_calls<WIDE>(t1 - t0), shared_by = calls <= MAX_PREFETCHING_CALLS ? calls - 1 : 0;
       const int64_t share = shared_by > 0 ? (unit_lines + shared_by - 1) / shared_by : 0;
       for (int64_t u = u0; u < u1; ++u) {
         const int64_t next = base != nullptr && t0 == 0 && u + 1 < u1 ? u + 1 : -1;
         int64_t call = 0;
         auto prefetch = [&]() -> Prefetch {
-          if (base != nullptr && shared_by == 0) return {nullptr, 0, true};
+          if (base != nullptr && calls == 1) return t0 == 0 ? Prefetch{nullptr, 0, true} : Prefetch{};
           const int64_t first = (call++ - 1) * share;
           if (next < 0 || first < 0 || first >= unit_lines) return {};
           return {base + next * unit_bytes + first * CACHE_LINE, std::min(share, unit_lines - first)};
