@@ -273,6 +273,7 @@ def _decode(engine, prompts: list[list[int]], params: Callable[[int], Any], vari
 
     engine.runner.execute = timed_execute
     step = 0
+    started: set[str] = set()  # requests past their first token (their prompt's step)
     try:
         while engine.has_unfinished():
             v = step % len(variants)
@@ -283,9 +284,12 @@ def _decode(engine, prompts: list[list[int]], params: Callable[[int], Any], vari
                 outs = engine.step()
                 wall = time.perf_counter() - t
             overhead.append(wall - (forward_time[0] - before_forward))
-            if len(outs) == len(prompts) and all(o.new_token_ids for o in outs):
+            # Only steps where every sequence decodes: a step that also runs a prompt
+            # (always the first, so always the first variant's) would tilt the ratio.
+            if len(outs) == len(prompts) and all(o.new_token_ids and o.request_id in started for o in outs):
                 seconds[v] += wall
                 tokens[v] += len(outs)
+            started.update(o.request_id for o in outs if o.new_token_ids)
     finally:
         engine.runner.execute = original
     overhead.sort()
