@@ -123,7 +123,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def _w8a16_path(path: str) -> Iterator[None]:
+def w8a16_path(path: str) -> Iterator[None]:
     """While inside, the W8A16 kernel runs as ``path`` says (a key of KERNEL_PATHS; "" as it comes):
     without its weight prefetch, or on its one-block AVX2 code. The same bits either way."""
     from ember.kernels import cpu
@@ -192,15 +192,15 @@ def measure_engine(
         for run, value in zip(runs, values, strict=True):
             run.setdefault(key, []).append(value)
 
+    vocab = engine.model_config.vocab_size - 100
     for round_ in range(args.repeats):
         # Prefill: one forward per variant, taking turns (the order reversed every
         # other round); unique tokens in every run, so no cache can help.
         order = range(len(variants)) if round_ % 2 == 0 else reversed(range(len(variants)))
         for v in order:
             run = round_ * len(variants) + v
-            vocab = engine.model_config.vocab_size - 100
             prompt = [(i * 7919 + 13 + 104729 * run) % vocab + 50 for i in range(args.prefill_tokens)]
-            with _w8a16_path(variants[v]):
+            with w8a16_path(variants[v]):
                 t0 = time.perf_counter()
                 engine.add_request(f"prefill-{run}", prompt, greedy(1))
                 _drain(engine)
@@ -278,7 +278,7 @@ def _decode(engine, prompts: list[list[int]], params: Callable[[int], Any], vari
         while engine.has_unfinished():
             v = step % len(variants)
             step += 1
-            with _w8a16_path(variants[v]):
+            with w8a16_path(variants[v]):
                 before_forward = forward_time[0]
                 t = time.perf_counter()
                 outs = engine.step()

@@ -73,6 +73,7 @@ def probe_ceilings() -> dict[str, Any] | None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
+    from benchmarks.engine_bench import w8a16_path
     from ember.kernels import cpu
     from ember.model.loader import load_model
     from ember.model.quant import Numerics, make_linear
@@ -105,11 +106,8 @@ def main(args: argparse.Namespace) -> int:
             layer(x[k])  # each output dropped at once, as the engine's are consumed
 
     def without_prefetch(x: dict[int, torch.Tensor]) -> None:
-        previous = kernels.set_w8a16_prefetch(False)
-        try:
+        with w8a16_path("no-prefetch"):
             run_layers(x, distinct)
-        finally:
-            kernels.set_w8a16_prefetch(previous)
 
     variants = {
         "W8A16 kernel, weights from memory": lambda x: run_layers(x, distinct),

@@ -356,6 +356,20 @@ int64_t row_calls(int64_t rows) {
   return calls + rows;
 }
 
+// What call `call` (from 0) of a unit's `calls` in a row tile asks for:
+// `streamed` says the unit comes from memory (the first tile, weights given),
+// `next_unit` is where the thread's next unit starts (nullptr: it has none).
+// A lone call streams ahead; otherwise, with at most MAX_PREFETCHING_CALLS
+// calls, every call after the first asks for its share of the next unit.
+Prefetch plan_prefetch(bool streamed, const char* next_unit, int64_t unit_lines, int64_t calls, int64_t call) {
+  if (!streamed) return {};
+  if (calls == 1) return {nullptr, 0, true};
+  if (next_unit == nullptr || calls > MAX_PREFETCHING_CALLS || call == 0) return {};
+  const int64_t share = (unit_lines + calls - 2) / (calls - 1), first = (call - 1) * share;
+  if (first >= unit_lines) return {};
+  return {next_unit + first * CACHE_LINE, std::min(share, unit_lines - first)};
+}
+
 // Splits the output blocks over the threads, BLOCKS neighbouring 8-output blocks
 // (a "unit", unit_bytes at weights + u * unit_bytes) per call; each thread walks
 // the rows in tiles of about ROW_TILE (kept in cache across its blocks; a
@@ -377,8 +391,8 @@ int64_t row_calls(int64_t rows) {
 // so they ask for nothing, and so do units with more than MAX_PREFETCHING_CALLS
 // calls: their arithmetic hides the first call's stall, and the prefetching
 // loop's per-pair check cost more than it saved (0.97x at 32 rows, 0.93x at
-// 63). The VNNI and float32 lanes paths pass no weights:
-// this has not been measured on a CPU with VNNI.
+// 63). plan_prefetch states the rule. The VNNI and float32 lanes paths pass no
+// weights: this has not been measured on a CPU with VNNI.
 template <int BLOCKS, int WIDE, typename Block>
 void for_lane_blocks(int64_t m, int64_t n, float* y, const void* weights, int64_t unit_bytes, Block block) {
   const int64_t units = n / (LANES * BLOCKS);
@@ -388,17 +402,12 @@ void for_lane_blocks(int64_t m, int64_t n, float* y, const void* weights, int64_
     constexpr int64_t tile = ROW_TILE / WIDE * WIDE;
     for (int64_t t0 = 0; t0 < m; t0 += tile) {
       const int64_t t1 = std::min(m, t0 + tile);
-      const int64_t calls = row_calls<WIDE>(t1 - t0), shared_by = calls <= MAX_PREFETCHING_CALLS ? calls - 1 : 0;
-      const int64_t share = shared_by > 0 ? (unit_lines + shared_by - 1) / shared_by : 0;
+      const int64_t calls = row_calls<WIDE>(t1 - t0);
+      const bool streamed = base != nullptr && t0 == 0;
       for (int64_t u = u0; u < u1; ++u) {
-        const int64_t next = base != nullptr && t0 == 0 && u + 1 < u1 ? u + 1 : -1;
+        const char* next_unit = streamed && u + 1 < u1 ? base + (u + 1) * unit_bytes : nullptr;
         int64_t call = 0;
-        auto prefetch = [&]() -> Prefetch {
-          if (base != nullptr && calls == 1) return t0 == 0 ? Prefetch{nullptr, 0, true} : Prefetch{};
-          const int64_t first = (call++ - 1) * share;
-          if (next < 0 || first < 0 || first >= unit_lines) return {};
-          return {base + next * unit_bytes + first * CACHE_LINE, std::min(share, unit_lines - first)};
-        };
+        auto prefetch = [&] { return plan_prefetch(streamed, next_unit, unit_lines, calls, call++); };
         const int64_t b = u * BLOCKS;
         int64_t r = t0;
         for (; r + WIDE <= t1; r += WIDE) block(std::integral_constant<int, WIDE>{}, r, b, y + r * n + b * LANES, prefetch());
