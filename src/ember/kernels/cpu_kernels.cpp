@@ -358,6 +358,33 @@ inline __m256 hsum8x8(const __m256 v[8]) {
                        _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 #endif
+#ifdef EMBER_AVX512
+// _mm512_reduce_add_ps of eight vectors at once: lane i of the result is
+// _mm512_reduce_add_ps(v[i]), bit for bit. That intrinsic's tree (GCC's and
+// Clang's headers alike) is: the 256-bit halves added, then the 128-bit halves,
+// then lanes 0+2 and 1+3, then those two. Here every step runs on two or four
+// vectors' partials at once: 16 shuffles and 8 adds for eight sums, against 8
+// dependent chains of 4 shuffles and 4 adds ending in a scalar store each (the
+// prompt's scores waited on those chains: 2/3 of its attention time).
+inline __m256 reduce_add_8x16(const __m512 v[8]) {
+  __m512 halves[4];  // 128-bit lanes: [v[i] 256-bit sum (2 lanes) | v[i + 4]'s (2 lanes)]
+  for (int i = 0; i < 4; ++i)
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 4], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[i], v[i + 4], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 quads[2];  // 128-bit lanes: the 128-bit sums of v[j], v[j + 4], v[j + 1], v[j + 5] (j = 0, 2)
+  for (int j = 0; j < 2; ++j) {
+    const __m512 a = halves[2 * j], b = halves[2 * j + 1];
+    quads[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  // Per 128-bit lane: [lanes 0+2, 1+3 of quads[0] | of quads[1]]: lane k holds v[k'] then v[k' + 2],
+  // k' = 0, 4, 1, 5 for k = 0..3; the last step adds each pair and puts v[0..7] in order.
+  const __m512 pairs = _mm512_add_ps(_mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(quads[0], quads[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512i first = _mm512_setr_epi32(0, 8, 2, 10, 4, 12, 6, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i second = _mm512_setr_epi32(1, 9, 3, 11, 5, 13, 7, 15, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castps512_ps256(_mm512_add_ps(_mm512_permutexvar_ps(first, pairs), _mm512_permutexvar_ps(second, pairs)));
+}
+#endif
 
 // One score per (head, token): d = q[0] * k[0], then d = fma(q[c], k[c], d) for
 // the chunks in order, then vsum(d) * scale. With AVX2, eight tokens at a time:
@@ -391,6 +418,23 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
   VecF q[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) q[g][c] = vload(qb + g * C * VW + c * VW);
+#ifdef EMBER_AVX512
+  // Eight tokens at a time, their sums in one reduce_add_8x16: the same bits as the loop below.
+  const __m256 vscale = _mm256_set1_ps(scale);
+  for (; t + 8 <= len; t += 8) {
+    for (int i = 0; i < 8; ++i)
+      if (prefetch && t + PREFETCH_AHEAD + i < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD + i], C * VW);
+    const float* k[8];
+    for (int i = 0; i < 8; ++i) k[i] = kc + rows[t + i];
+    for (int g = 0; g < G; ++g) {
+      VecF d[8];
+      for (int i = 0; i < 8; ++i) d[i] = vmul(q[g][0], vload(k[i]));
+      for (int c = 1; c < C; ++c)
+        for (int i = 0; i < 8; ++i) d[i] = vfmadd(q[g][c], vload(k[i] + c * VW), d[i]);
+      _mm256_storeu_ps(scores + g * len + t, _mm256_mul_ps(reduce_add_8x16(d), vscale));
+    }
+  }
+#endif
   for (; t < len; ++t) {
     if (prefetch && t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * VW);
     const float* k = kc + rows[t];
