@@ -40,6 +40,8 @@ namespace ember_amx {
 constexpr int64_t GROUP = 64;   // inputs per tile step = bytes per AMX tile row (a quantization group holds several)
 constexpr int64_t OUTS = 16;    // outputs per B tile (16 int32 columns of C)
 constexpr int64_t TILE_ROWS = 16;
+// How far ahead gather_b_tiles asks for the weights it streams (as linear_lanes.cpp's calls that stream).
+constexpr int64_t STREAM_AHEAD = 4096;
 
 #ifdef EMBER_AMX
 
@@ -85,11 +87,16 @@ void load_tile_config() {
 // + 3. The lanes layout gives a pair (2 inputs) of 8 outputs per 16 bytes;
 // interleaving the 16-bit units of two consecutive pairs yields 4 inputs for 4
 // outputs per 16 bytes.
-void gather_b_tiles(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles) {
+//
+// This is where a call with few row tiles (a 16-row decode step) reads every
+// weight from memory: with ``prefetch`` it asks for each cache line STREAM_AHEAD
+// bytes ahead, past the 4 KB pages where the hardware prefetcher stops.
+void gather_b_tiles(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, bool prefetch) {
   const int64_t block_bytes = k * 8;  // one lanes block: K/2 pairs x 8 outputs x 2
   for (int half = 0; half < 2; ++half) {
     const int8_t* block = lanes + (2 * b + half) * block_bytes;
     for (int64_t quad = 0; quad < k / 4; ++quad) {
+      if (prefetch && quad % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(block + 2 * quad * 16) + STREAM_AHEAD, _MM_HINT_T0);
       const __m128i p0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (2 * quad) * 16));
       const __m128i p1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + (2 * quad + 1) * 16));
       int8_t* row = tiles + quad * 64 + half * 32;  // tile quad / 16, row quad % 16
@@ -156,7 +163,7 @@ bool available() {
 }
 
 bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
-                  int64_t n, float* y) {
+                  int64_t n, float* y, bool prefetch) {
   if (k % GROUP != 0 || group % GROUP != 0 || n % OUTS != 0 || !available()) return false;
   const int64_t padded = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
   // Codes split into bytes (vpsraw / vpand, then narrowed); padding rows are zero (their outputs are dropped).
@@ -182,8 +189,8 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
     const int64_t pair_bytes = 2 * k * OUTS;
     std::unique_ptr<int8_t[]> b_tiles(new int8_t[(p1 - p0) * pair_bytes]);
     for (int64_t p = p0; p < p1; ++p) {
-      gather_b_tiles(lanes, k, 2 * p, b_tiles.get() + (p - p0) * pair_bytes);
-      if (2 * p + 1 < blocks) gather_b_tiles(lanes, k, 2 * p + 1, b_tiles.get() + (p - p0) * pair_bytes + k * OUTS);
+      gather_b_tiles(lanes, k, 2 * p, b_tiles.get() + (p - p0) * pair_bytes, prefetch);
+      if (2 * p + 1 < blocks) gather_b_tiles(lanes, k, 2 * p + 1, b_tiles.get() + (p - p0) * pair_bytes + k * OUTS, prefetch);
     }
     alignas(64) float acc[TILE_ROWS * 2 * OUTS];
     alignas(64) int32_t c_buf[2 * TILE_ROWS * OUTS];
@@ -216,7 +223,7 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
 
 bool available() { return false; }
 
-bool linear_w8a16(const int16_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*) { return false; }
+bool linear_w8a16(const int16_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*, bool) { return false; }
 
 #endif
 

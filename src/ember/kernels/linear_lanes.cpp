@@ -52,7 +52,7 @@ using torch::Tensor;
 namespace ember_amx {
 bool available();
 bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
-                  int64_t n, float* y);
+                  int64_t n, float* y, bool prefetch);
 }  // namespace ember_amx
 
 namespace {
@@ -81,7 +81,7 @@ constexpr float INT16_MAX_F = 32767.f;
 constexpr int64_t ROW_TILE = 64;
 constexpr int64_t CACHE_LINE = 64;
 // Whether W8A16 calls prefetch their weights (for_lane_blocks: the next unit, or
-// their own stream ahead); lowered only by tests and benchmarks, to measure the
+// their own stream ahead; the AMX path: its stream ahead); lowered only by tests and benchmarks, to measure the
 // previous default in the same run.
 bool w8a16_prefetch = true;
 
@@ -448,7 +448,7 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
   });
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
-  if (path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>())) return y;
+  if (path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>(), w8a16_prefetch)) return y;
 #ifdef EMBER_VNNI512
   if (path_allowed(W8A16Path::vnni) && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
     for_lane_blocks<2, 8>(m, n, y.data_ptr<float>(), nullptr, 0, [&](auto rows, int64_t r, int64_t b, float* out, const Prefetch&) {
@@ -501,7 +501,7 @@ std::string set_w8a16_ceiling(const std::string& path) {
   TORCH_CHECK(false, "set_w8a16_ceiling: unknown path '", path, "' (amx, vnni, avx2-pairs or avx2)");
 }
 
-// Turns the W8A16 kernels' weight prefetch (next unit and stream ahead) on or off (the
+// Turns the W8A16 kernels' weight prefetch (next unit and stream ahead, AMX included) on or off (the
 // same bits either way); returns whether it was on. For tests and benchmarks.
 bool set_w8a16_prefetch(bool on) {
   const bool previous = w8a16_prefetch;
