@@ -1,6 +1,6 @@
 """``python -m benchmarks front-door``: what a user gets through ``make serve``, next to the engine in process.
 
-One run measures the same workloads three ways and prints them side by side
+One run measures the same workloads three ways (four with both HTTP clients) and prints them side by side
 with the ratio HTTP / in process (in process and HTTP take turns, ``--rounds``
 times, and each figure is the median of its rounds):
 
@@ -9,7 +9,10 @@ times, and each figure is the median of its rounds):
   from an asyncio loop exactly as the server's routes drive it (chat template,
   session prompt ids), without HTTP;
 * **HTTP**: ``ember serve`` with ``make serve``'s defaults in a subprocess,
-  driven by an httpx client over loopback with SSE streaming;
+  driven over loopback with SSE streaming by each of two clients in turn
+  (``--clients``): aiohttp, as vLLM's serving benchmark drives a server, and
+  httpx, this bench's load generator before; on two cores the client's own
+  CPU slows the server it measures (``HTTPFront``);
 * **previous arrangement** (single-stream decode and 16 streams only): the
   engine built on this thread and stepped on another, which is what the
   server did before ``engine/compute_threads.py`` (2x slower decode).
@@ -31,6 +34,7 @@ import json
 import random
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -103,13 +107,25 @@ class InProcessFront:
 
 
 class HTTPFront:
-    """The OpenAI chat completions API with SSE streaming, over one keep-alive httpx client."""
+    """The OpenAI chat completions API with SSE streaming over loopback; subclasses bring the HTTP client.
+
+    The load generator shares the server's two cores, and every CPU second it
+    spends preempts one of the engine's two compute threads (whose partner then
+    waits at the step's barrier), so its cost shows up doubled in the server's
+    figures. The bench therefore measures with two clients in the same run:
+    aiohttp, the load generator of vLLM's serving benchmark (about a third of
+    httpx's CPU per streamed token, measured here), and httpx, this bench's
+    previous one.
+    """
+
+    name = ""
 
     def __init__(self, url: str) -> None:
-        import httpx
-
         self.url = url
-        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    def _lines(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[str]:
+        """The response's lines (SSE), raising on an HTTP error status."""
+        raise NotImplementedError
 
     async def chat(
         self, messages: list[dict[str, str]], *, max_tokens: int, ignore_eos: bool = False, session_id: str | None = None
@@ -127,20 +143,18 @@ class HTTPFront:
         first = last = None
         usage: dict[str, Any] = {}
         text = []
-        async with self.client.stream("POST", f"{self.url}/chat/completions", json=body, headers=headers) as response:
-            response.raise_for_status()
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", ()):
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        last = time.perf_counter()
-                        first = first or last
-                        text.append(piece)
+        async for line in self._lines(body, headers):
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", ()):
+                piece = (choice.get("delta") or {}).get("content")
+                if piece:
+                    last = time.perf_counter()
+                    first = first or last
+                    text.append(piece)
         end = time.perf_counter()
         assert first is not None and last is not None, "the stream carried no text"
         details = usage.get("prompt_tokens_details") or {}
@@ -155,7 +169,52 @@ class HTTPFront:
         )
 
     async def close(self) -> None:
+        raise NotImplementedError
+
+
+class AiohttpFront(HTTPFront):
+    """One keep-alive aiohttp session."""
+
+    name = "aiohttp"
+
+    def __init__(self, url: str) -> None:
+        import aiohttp
+
+        super().__init__(url)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600), connector=aiohttp.TCPConnector(limit=64))
+
+    async def _lines(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[str]:
+        async with self.session.post(f"{self.url}/chat/completions", json=body, headers=headers) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                yield raw.decode().rstrip("\r\n")
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+class HttpxFront(HTTPFront):
+    """One keep-alive httpx client (the previous load generator)."""
+
+    name = "httpx"
+
+    def __init__(self, url: str) -> None:
+        import httpx
+
+        super().__init__(url)
+        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    async def _lines(self, body: dict[str, Any], headers: dict[str, str]) -> AsyncIterator[str]:
+        async with self.client.stream("POST", f"{self.url}/chat/completions", json=body, headers=headers) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                yield line
+
+    async def close(self) -> None:
         await self.client.aclose()
+
+
+CLIENTS: dict[str, type[HTTPFront]] = {"aiohttp": AiohttpFront, "httpx": HttpxFront}
 
 
 # ---------------------------------------------------------------------------
@@ -239,10 +298,12 @@ async def multiturn(front: Front, figures: Figures, conversations: int, turns: i
     figures.put("multiturn_ttft_last_s", statistics.fmean(ttfts[-1] for ttfts in by_conversation))
 
 
-async def measure(front: Front, args: argparse.Namespace, *, full: bool = True, round_index: int = 0) -> Figures:
+async def measure(front: Front, args: argparse.Namespace, *, full: bool = True, round_index: int = 0, server_visit: int = 0) -> Figures:
     """One round of the workloads. Each round has its own prompts (so no round hits another's
-    cache); both fronts get the same prompts in a round."""
-    rng = random.Random(f"{args.seed}:front-door:{round_index}")
+    cache); the in-process engine and the first HTTP client get the same prompts in a round, and
+    each later client's visit to the same server (``server_visit``) its own, or it would find the
+    first one's prompts in the server's prefix cache."""
+    rng = random.Random(f"{args.seed}:front-door:{round_index}" + (f":{server_visit}" if server_visit else ""))
     figures = Figures()
     await single_stream(front, figures, args.runs)
     await concurrent_streams(front, figures, 16, rng)
@@ -267,11 +328,11 @@ def median_of_rounds(rounds: list[Figures]) -> Figures:
     return merged
 
 
-async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, Figures]:
-    """In process and through HTTP, round by round: in process, then HTTP, then again.
+async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, dict[str, Figures]]:
+    """In process and through HTTP with each client, round by round: in process, then each client, then again.
 
     Both engines stay loaded and take turns (the idle one sleeps), so a stretch
-    where this shared machine runs slower lands on both columns instead of one:
+    where this shared machine runs slower lands on every column instead of one:
     measured one after the other, the ratio moved by 0.2 between runs here.
     """
     from ember.config import EngineConfig
@@ -279,17 +340,20 @@ async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, Fig
 
     engine = AsyncEngine.for_model(None, EngineConfig(threads=args.threads))
     await engine.start_async()
-    http = HTTPFront(url)
+    fronts = [CLIENTS[name](url) for name in args.clients.split(",")]
     in_process: list[Figures] = []
-    through_http: list[Figures] = []
+    through_http: dict[str, list[Figures]] = {front.name: [] for front in fronts}
     try:
         for index in range(args.rounds):
             in_process.append(await measure(InProcessFront(engine), args, full=not args.quick, round_index=index))
-            through_http.append(await measure(http, args, full=not args.quick, round_index=index))
+            for visit, front in enumerate(fronts):
+                figures = await measure(front, args, full=not args.quick, round_index=index, server_visit=visit)
+                through_http[front.name].append(figures)
     finally:
-        await http.close()
+        for front in fronts:
+            await front.close()
         engine.stop()
-    return median_of_rounds(in_process), median_of_rounds(through_http)
+    return median_of_rounds(in_process), {name: median_of_rounds(rounds) for name, rounds in through_http.items()}
 
 
 async def _previous_arrangement(args: argparse.Namespace) -> Figures:
@@ -320,13 +384,21 @@ ROWS: list[tuple[str, str, str, float, str]] = [
 ]
 
 
-def report(engine: Figures, http: Figures, previous: Figures | None, meta: dict[str, Any]) -> str:
+def report(engine: Figures, http: dict[str, Figures], previous: Figures | None, meta: dict[str, Any]) -> str:
+    """The markdown table: in process, then each client's HTTP figures with their ratio to in process."""
+
     def cell(figures: Figures | None, key: str, unit: str, scale: float) -> str:
         if figures is None or key not in figures.values:
             return ""
         value = figures.values[key] * scale
         return f"{value:,.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
 
+    def ratio(figures: Figures, key: str) -> str:
+        if key in engine.values and key in figures.values and engine.values[key]:
+            return f"{figures.values[key] / engine.values[key]:.2f}x"
+        return ""
+
+    client_heads = "".join(f" through HTTP ({name} client) | HTTP / in process |" for name in http)
     lines = [
         (
             f"Front door vs in process, one run ({meta['when']}; --threads {meta['threads']}; {meta['rounds']} alternating rounds, "
@@ -334,17 +406,12 @@ def report(engine: Figures, http: Figures, previous: Figures | None, meta: dict[
             f"~{engine.values.get('short_prompt_tokens', 0):.0f} tokens)"
         ),
         "",
-        "| figure | in process (AsyncEngine) | through HTTP (ember serve) | HTTP / in process | previous arrangement, in process | target |",
-        "|---|---|---|---|---|---|",
+        f"| figure | in process (AsyncEngine) |{client_heads} previous arrangement, in process | target |",
+        "|---|---|" + "---|---|" * len(http) + "---|---|",
     ]
     for key, label, unit, scale, target in ROWS:
-        ratio = ""
-        if key in engine.values and key in http.values and engine.values[key]:
-            ratio = f"{http.values[key] / engine.values[key]:.2f}x"
-        lines.append(
-            f"| {label} | {cell(engine, key, unit, scale)} | {cell(http, key, unit, scale)} | {ratio} | "
-            f"{cell(previous, key, unit, scale)} | {target} |"
-        )
+        client_cells = "".join(f" {cell(figures, key, unit, scale)} | {ratio(figures, key)} |" for figures in http.values())
+        lines.append(f"| {label} | {cell(engine, key, unit, scale)} |{client_cells} {cell(previous, key, unit, scale)} | {target} |")
     return "\n".join(lines)
 
 
@@ -357,6 +424,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--rounds", type=int, default=2, help="alternating in-process / HTTP rounds; each figure is their median (default %(default)s)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clients",
+        default="aiohttp,httpx",
+        help="HTTP load generators, comma-separated (aiohttp, httpx); the first is the 'http' figures of the JSON (default %(default)s)",
+    )
     parser.add_argument("--skip-previous", action="store_true", help="leave out the previous-arrangement column")
     parser.add_argument("--quick", action="store_true", help="single-stream decode and 16 streams only (what make test checks)")
     parser.add_argument("--out", default=None, help="result directory (default bench-results/front-door-<timestamp>)")
@@ -374,7 +446,16 @@ def main(args: argparse.Namespace) -> int:
     text = report(engine, http, previous, meta)
     (root / "front-door.md").write_text(text + "\n")
     (root / "front-door.json").write_text(
-        json.dumps({"in_process": engine.values, "http": http.values, "previous": previous.values if previous else None, **meta}, indent=1)
+        json.dumps(
+            {
+                "in_process": engine.values,
+                "http": next(iter(http.values())).values,
+                "http_by_client": {name: figures.values for name, figures in http.items()},
+                "previous": previous.values if previous else None,
+                **meta,
+            },
+            indent=1,
+        )
     )
     print(text)
     print(f"\nwrote {root}/front-door.md, front-door.json")
