@@ -108,6 +108,23 @@ class RayApp:
     def assert_running(self) -> None:
         assert self.process.proc.poll() is None, self.process.log()
 
+    def wait_until_the_handle_reaches_every_replica(self, timeout_s: float = 60) -> None:
+        """Until a session keyed to each replica lands there through ``replicas``.
+
+        A new handle learns the replicas from Ray's long poll, one update at a time:
+        a call made before it knows them all goes to one it knows (seen in a full CI
+        run: "1 total (+1 added)", and a handle-keyed session on the wrong replica).
+        """
+        replica_ids = self.replica_ids()
+        keys = conversation_ids("handle-ready", replica_ids, replica_ids)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            landed = [self.info(key)["replica_id"] for key in keys]
+            if landed == replica_ids:
+                return
+            assert time.monotonic() < deadline, f"the handle still routes {keys} to {landed}, not {replica_ids}"
+            time.sleep(0.5)
+
 
 @pytest.fixture(scope="module")
 def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayApp]:
@@ -122,7 +139,9 @@ def app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayApp]:
         connected = True
         from ray import serve
 
-        yield RayApp(process, session_dir, serve.get_deployment_handle("EmberReplica", app_name=APP))
+        app = RayApp(process, session_dir, serve.get_deployment_handle("EmberReplica", app_name=APP))
+        app.wait_until_the_handle_reaches_every_replica()
+        yield app
     finally:
         if connected:
             ray.shutdown()
