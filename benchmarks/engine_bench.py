@@ -43,9 +43,10 @@ QUOTED_REFERENCES = {
     "vLLM CPU 0.32.0 bf16": {"decode_tps": 53.0, "prefill_tps": 2065.0, "aggregate_tps": 400.0},
     "transformers generate fp32": {"decode_tps": 24.0},
 }
-# The W8A16 kernel's earlier defaults, run by the same engine (`--modes ...:no-prefetch`).
+# The W8A16 kernel's earlier defaults, newest first, run by the same engine (`--modes ...:amx-gather-first`).
 KERNEL_PATHS = {
-    "no-prefetch": "previous default (no weight prefetch)",
+    "amx-gather-first": "previous default (AMX: every weight tile gathered, then multiplied)",
+    "no-prefetch": "default before that (no weight prefetch)",
     "avx2": "default before that (one-block AVX2)",
 }
 # Issue 12 (set on the 2-core AVX-512 machine; this AVX2 one has no VNNI or BF16 dot products).
@@ -71,11 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
     parser.add_argument(
         "--modes",
-        default="float32:int8,float32:int8:no-prefetch,float32:int8:previous",
-        help="comma-separated dtype:quantization[:previous|:no-prefetch|:avx2] to measure; ':previous' takes the previous per-shape "
-        "kernels (--no-batch-invariant), ':no-prefetch' the batch-invariant W8A16 kernel without its weight prefetch (the previous "
-        "default), ':avx2' the same kernel on its one-block AVX2 code, without its AVX-512 VNNI, AMX and two-block AVX2 paths (the "
-        "default before that); each the same bits",
+        default="float32:int8,float32:int8:amx-gather-first,float32:int8:previous",
+        help="comma-separated dtype:quantization[:previous|:amx-gather-first|:no-prefetch|:avx2] to measure; ':previous' takes the "
+        "previous per-shape kernels (--no-batch-invariant); the others the batch-invariant W8A16 kernel as it was before a change: "
+        "':amx-gather-first' with a decode step's AMX weight tiles all gathered before any is multiplied (the previous default), "
+        "':no-prefetch' also without its weight prefetch, ':avx2' on its one-block AVX2 code, without its AVX-512 VNNI, AMX and "
+        "two-block AVX2 paths; each the same bits",
     )
     parser.add_argument("--decode-tokens", type=int, default=200)
     parser.add_argument("--prefill-tokens", type=int, default=1000)
@@ -134,12 +136,14 @@ def w8a16_path(path: str) -> Iterator[None]:
         return
     previous_ceiling = kernels.set_w8a16_ceiling("avx2") if path == "avx2" else None
     previous_prefetch = kernels.set_w8a16_prefetch(path != "no-prefetch")
+    previous_streaming = kernels.set_amx_streaming(False)  # every older path gathered first
     try:
         yield
     finally:
         if previous_ceiling is not None:
             kernels.set_w8a16_ceiling(previous_ceiling)
         kernels.set_w8a16_prefetch(previous_prefetch)
+        kernels.set_amx_streaming(previous_streaming)
 
 
 def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):

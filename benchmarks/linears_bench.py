@@ -8,7 +8,7 @@ whether int8 activations would move them:
   numerics) on the embedded model's shapes (every layer's four linears, then the LM head), in
   multiply-adds per second, for 1, 16 and 1,000 rows (``--rows``): with every layer's
   weights distinct (streamed from memory, as in the engine), the same without
-  the kernel's weight prefetch (the previous default), and with one layer's
+  the kernel's weight prefetch (an earlier default), and with one layer's
   weights reused (in cache: the arithmetic alone);
 * the engine's opt-in ``w8a8`` layers (``DynamicInt8Linear``: fbgemm's dynamic
   quantization, 7-bit activations without VNNI) on the same shapes, as a
@@ -111,7 +111,7 @@ def main(args: argparse.Namespace) -> int:
 
     variants = {
         "W8A16 kernel, weights from memory": lambda x: run_layers(x, distinct),
-        "the same without the weight prefetch (previous default)": without_prefetch,
+        "the same without the weight prefetch (an earlier default)": without_prefetch,
         "W8A16 kernel, one layer in cache": lambda x: run_layers(x, one_layer * config.num_layers),
         "fbgemm int8 activations (w8a8)": lambda x: run_layers(x, fbgemm_layers),
     }

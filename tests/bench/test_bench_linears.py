@@ -24,7 +24,7 @@ def test_linears_bench_writes_figures(tmp_path, capsys):
     figures = json.loads(out.read_text())
     assert set(figures["layers"]) == {
         "W8A16 kernel, weights from memory",
-        "the same without the weight prefetch (previous default)",
+        "the same without the weight prefetch (an earlier default)",
         "W8A16 kernel, one layer in cache",
         "fbgemm int8 activations (w8a8)",
     }

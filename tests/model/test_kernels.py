@@ -209,10 +209,12 @@ def _w8a16_by_definition(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) 
 def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa):
     """Every instruction set (AMX tiles, AVX-512 VNNI, AVX2 two blocks or one at a time, plain loops)
     computes the same integer dots and the same float epilogue, with the weight prefetch or
-    without: the bits equal the arithmetic written out in torch. 48 outputs: a pair of 16-output
-    tiles and a lone one (three pairs of 8-output blocks for VNNI and the paired AVX2 kernel); 40
-    outputs: an odd block count, which both leave to the one-block kernel; 1-70 rows: under and over
-    each kernel's row threshold, one row tile and two, and 8/4/3/1-row blocks."""
+    without, and on AMX with a decode call's weight tiles streamed pair by pair or all gathered
+    first: the bits equal the arithmetic written out in torch. 48 outputs: a pair of 16-output
+    tiles and a lone one (three pairs of 8-output blocks for VNNI and the paired AVX2 kernel); 112
+    outputs: three pairs and a lone tile, so a thread streams several pairs; 40 outputs: an odd
+    block count, which both leave to the one-block kernel; 1-70 rows: under and over each kernel's
+    row threshold, one row tile and two, and 8/4/3/1-row blocks."""
     if isa == "amx" and not k.amx_available():
         pytest.skip("this CPU (or kernel) has no AMX tiles: the vector paths are the ones that run")
     if isa == "vnni" and not k.vnni_available():
@@ -221,18 +223,20 @@ def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa)
     x = torch.randn(70, in_features) * 2
     x[1, 3] = 60.0
     x[7, :] = 0.0
-    previous, previous_prefetch = k.set_w8a16_ceiling(isa), k.set_w8a16_prefetch(True)
+    previous, previous_prefetch, previous_streaming = k.set_w8a16_ceiling(isa), k.set_w8a16_prefetch(True), k.set_amx_streaming(True)
     try:
-        for outputs in (48, 40):
+        for outputs in (48, 112, 40):
             _, q, scale, lanes8, _ = _lane_weights(outputs, in_features, 4)
             for rows in (1, 2, 3, 4, 5, 9, 13, 16, 33, 40, 70):
                 expected = _w8a16_by_definition(x[:rows], q, scale)
-                for prefetch in (True, False):
+                for prefetch, streaming in ((True, True), (False, True), (True, False)):
                     k.set_w8a16_prefetch(prefetch)
-                    assert torch.equal(k.linear_w8a16(x[:rows], lanes8, scale), expected), (outputs, rows, prefetch)
+                    k.set_amx_streaming(streaming)
+                    assert torch.equal(k.linear_w8a16(x[:rows], lanes8, scale), expected), (outputs, rows, prefetch, streaming)
     finally:
         k.set_w8a16_ceiling(previous)
         k.set_w8a16_prefetch(previous_prefetch)
+        k.set_amx_streaming(previous_streaming)
 
 
 def test_lane_linears_do_not_depend_on_the_rows_in_the_call(k):

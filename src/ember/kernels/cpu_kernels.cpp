@@ -38,6 +38,9 @@ std::string set_w8a16_ceiling(const std::string& path);
 bool amx_available();
 bool vnni_available();
 bool set_w8a16_prefetch(bool on);
+namespace ember_amx {
+bool set_streaming(bool on);
+}
 
 namespace {
 
@@ -1394,6 +1397,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("amx_available", &amx_available);
   m.def("vnni_available", &vnni_available);
   m.def("set_w8a16_prefetch", &set_w8a16_prefetch);
+  m.def("set_amx_streaming", &ember_amx::set_streaming);
   m.def("decode_layers", &decode_layers, no_gil());
   m.def("gemv_int8", &gemv_int8, no_gil());
   m.def("gemm_bf16_packed", &gemm_bf16_packed, no_gil());
