@@ -43,9 +43,9 @@ QUOTED_REFERENCES = {
     "vLLM CPU 0.32.0 bf16": {"decode_tps": 53.0, "prefill_tps": 2065.0, "aggregate_tps": 400.0},
     "transformers generate fp32": {"decode_tps": 24.0},
 }
-# The W8A16 kernel's earlier defaults, newest first, run by the same engine (`--modes ...:amx-gather-first`).
+# The kernels' earlier defaults, newest first, run by the same engine (`--modes ...:amx-gather-first`).
 KERNEL_PATHS = {
-    "amx-gather-first": "previous default (AMX: every weight tile gathered, then multiplied)",
+    "amx-gather-first": "previous default (AMX weight tiles gathered first, torch argmax)",
     "no-prefetch": "default before that (no weight prefetch)",
     "avx2": "default before that (one-block AVX2)",
 }
@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="float32:int8,float32:int8:amx-gather-first,float32:int8:previous",
         help="comma-separated dtype:quantization[:previous|:amx-gather-first|:no-prefetch|:avx2] to measure; ':previous' takes the "
         "previous per-shape kernels (--no-batch-invariant); the others the batch-invariant W8A16 kernel as it was before a change: "
-        "':amx-gather-first' with a decode step's AMX weight tiles all gathered before any is multiplied (the previous default), "
+        "':amx-gather-first' with a decode step's AMX weight tiles all gathered before any is multiplied and the greedy sampler on "
+        "torch's argmax (the previous default), "
         "':no-prefetch' also without its weight prefetch, ':avx2' on its one-block AVX2 code, without its AVX-512 VNNI, AMX and "
         "two-block AVX2 paths; each the same bits",
     )
@@ -125,9 +126,11 @@ def main(args: argparse.Namespace) -> int:
 
 
 @contextlib.contextmanager
-def w8a16_path(path: str) -> Iterator[None]:
-    """While inside, the W8A16 kernel runs as ``path`` says (a key of KERNEL_PATHS; "" as it comes):
-    without its weight prefetch, or on its one-block AVX2 code. The same bits either way."""
+def kernel_path(path: str) -> Iterator[None]:
+    """While inside, the kernels run as ``path`` says (a key of KERNEL_PATHS; "" as they come): the
+    greedy sampler on torch's argmax and the AMX weight tiles gathered first (every older path), the
+    W8A16 kernel without its weight prefetch, or on its one-block AVX2 code. The same bits either way."""
+    from ember.engine import sampler
     from ember.kernels import cpu
 
     kernels = cpu.load() if path else None
@@ -136,7 +139,8 @@ def w8a16_path(path: str) -> Iterator[None]:
         return
     previous_ceiling = kernels.set_w8a16_ceiling("avx2") if path == "avx2" else None
     previous_prefetch = kernels.set_w8a16_prefetch(path != "no-prefetch")
-    previous_streaming = kernels.set_amx_streaming(False)  # every older path gathered first
+    previous_streaming = kernels.set_amx_streaming(False)
+    previous_argmax, sampler._argmax = sampler._argmax, lambda logits: logits.argmax(dim=-1)
     try:
         yield
     finally:
@@ -144,6 +148,7 @@ def w8a16_path(path: str) -> Iterator[None]:
             kernels.set_w8a16_ceiling(previous_ceiling)
         kernels.set_w8a16_prefetch(previous_prefetch)
         kernels.set_amx_streaming(previous_streaming)
+        sampler._argmax = previous_argmax
 
 
 def _engine(args: argparse.Namespace, dtype: str, quantization: str, batch_invariant: bool):
@@ -204,7 +209,7 @@ def measure_engine(
         for v in order:
             run = round_ * len(variants) + v
             prompt = [(i * 7919 + 13 + 104729 * run) % vocab + 50 for i in range(args.prefill_tokens)]
-            with w8a16_path(variants[v]):
+            with kernel_path(variants[v]):
                 t0 = time.perf_counter()
                 engine.add_request(f"prefill-{run}", prompt, greedy(1))
                 _drain(engine)
@@ -282,7 +287,7 @@ def _decode(engine, prompts: list[list[int]], params: Callable[[int], Any], vari
         while engine.has_unfinished():
             v = step % len(variants)
             step += 1
-            with w8a16_path(variants[v]):
+            with kernel_path(variants[v]):
                 before_forward = forward_time[0]
                 t = time.perf_counter()
                 outs = engine.step()

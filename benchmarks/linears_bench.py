@@ -73,7 +73,7 @@ def probe_ceilings() -> dict[str, Any] | None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from benchmarks.engine_bench import w8a16_path
+    from benchmarks.engine_bench import kernel_path
     from ember.kernels import cpu
     from ember.model.loader import load_model
     from ember.model.quant import Numerics, make_linear
@@ -106,7 +106,7 @@ def main(args: argparse.Namespace) -> int:
             layer(x[k])  # each output dropped at once, as the engine's are consumed
 
     def without_prefetch(x: dict[int, torch.Tensor]) -> None:
-        with w8a16_path("no-prefetch"):
+        with kernel_path("no-prefetch"):
             run_layers(x, distinct)
 
     variants = {

@@ -17,7 +17,7 @@ def test_engine_bench_writes_figures(tmp_path, capsys):
     rows = json.loads(out.read_text())["ember"]
     assert [r["mode"] for r in rows] == [
         "float32/int8, batch-invariant",
-        "float32/int8, previous default (AMX: every weight tile gathered, then multiplied)",
+        "float32/int8, previous default (AMX weight tiles gathered first, torch argmax)",
         "float32/int8, previous kernels",
     ]
     for figures in rows:

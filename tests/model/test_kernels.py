@@ -467,3 +467,28 @@ def test_w8a16_ceiling_names_its_paths_and_rejects_others(k):
     finally:
         k.set_w8a16_ceiling(previous)
     assert previous == "amx"
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 37, 49152])
+def test_argmax_rows_gives_torch_argmax(k, vocab):
+    """The greedy sampler's pass: torch's index on every row, including ties (the first wins), rows
+    with one NaN or several (the first NaN wins), infinities, signed zeros and rows of -inf, for
+    lengths under, at and over a vector's 16 lanes."""
+    torch.manual_seed(vocab)
+    rows = [torch.randn(vocab), torch.randn(vocab).round(), torch.full((vocab,), float("-inf")), torch.zeros(vocab)]
+    tied = torch.randn(vocab)
+    tied[vocab // 3] = tied[(2 * vocab) // 3] = tied.max() + 1
+    signed = torch.full((vocab,), -1.0)
+    signed[vocab // 2 :] = 0.0
+    signed[vocab // 4] = -0.0
+    rows += [tied, signed]
+    for spots in ([vocab - 1], [vocab // 2, vocab // 5], [0]):
+        nan = torch.randn(vocab)
+        nan[spots] = float("nan")
+        rows.append(nan)
+    inf = torch.randn(vocab)
+    inf[vocab // 3] = float("inf")
+    inf[vocab - 1] = float("inf")
+    rows.append(inf)
+    logits = torch.stack(rows)
+    assert torch.equal(k.argmax_rows(logits), logits.argmax(dim=-1))

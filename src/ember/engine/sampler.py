@@ -44,7 +44,7 @@ class Sampler:
             r.params.greedy and not r.params.needs_penalties and r.params.logprobs is None and not self._masks_stop(r) for r in requests
         )
         if fast:
-            return logits.argmax(dim=-1).tolist(), [None] * len(requests)
+            return _argmax(logits).tolist(), [None] * len(requests)
 
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
@@ -155,6 +155,15 @@ def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
         choice = int(torch.multinomial(values, 1, generator=request.generator))
         tokens.append(choice if indices is None else int(indices[choice]))
     return tokens
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)``, the same indices; on CPU one compiled pass per row
+    (``argmax_rows``: torch's reduction took ~1.1 ms of a 16-row decode step)."""
+    kernels = _kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1] > 0 else None
+    if kernels is None:
+        return logits.argmax(dim=-1)
+    return kernels.argmax_rows(logits.contiguous())
 
 
 def _kernels() -> Any:

@@ -1010,6 +1010,81 @@ Tensor sample_rows(Tensor logits, Tensor temperature, Tensor top_p, Tensor min_p
   return tokens;
 }
 
+namespace {
+
+// torch.argmax of one row, exactly: the first index of the maximum, where a NaN
+// counts as the maximum (the first NaN wins). Two passes over the row (the
+// maximum, then where it first occurs) instead of torch's compare-and-index per
+// element: its reduction took ~1.1 ms of a 16-row decode step (16 x 49,152 logits).
+int64_t argmax_row(const float* x, int64_t v) {
+  float mx = -INFINITY;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef EMBER_AVX512
+  {
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    for (; i + 16 <= v; i += 16) {
+      const __m512 a = _mm512_loadu_ps(x + i);
+      unordered |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+      vmx = _mm512_max_ps(vmx, a);
+    }
+    mx = _mm512_reduce_max_ps(vmx);
+    nan = unordered != 0;
+  }
+#elif defined(EMBER_AVX2)
+  {
+    __m256 vmx = _mm256_set1_ps(-INFINITY), unordered = _mm256_setzero_ps();
+    for (; i + 8 <= v; i += 8) {
+      const __m256 a = _mm256_loadu_ps(x + i);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      vmx = _mm256_max_ps(vmx, a);
+    }
+    mx = hmax8(vmx);
+    nan = _mm256_movemask_ps(unordered) != 0;
+  }
+#endif
+  for (; i < v; ++i) {
+    if (x[i] != x[i]) nan = true;
+    else mx = std::max(mx, x[i]);
+  }
+  if (nan) {  // the vector max is meaningless then; NaN rows are rare
+    for (int64_t j = 0; j < v; ++j)
+      if (x[j] != x[j]) return j;
+  }
+  i = 0;
+#ifdef EMBER_AVX512
+  for (const __m512 target = _mm512_set1_ps(mx); i + 16 <= v; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(EMBER_AVX2)
+  for (const __m256 target = _mm256_set1_ps(mx); i + 8 <= v; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#endif
+  for (; i < v; ++i)
+    if (x[i] == mx) return i;
+  return 0;  // v == 0 is refused by the caller
+}
+
+}  // namespace
+
+// tokens (N,) int64: torch.argmax(logits, dim=-1) of logits (N, V) float32, the same indices.
+Tensor argmax_rows(Tensor logits) {
+  check_contiguous(logits, "logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.size(1) > 0, "argmax_rows: logits must be float32 (N, V), V > 0");
+  const int64_t n = logits.size(0), v = logits.size(1);
+  Tensor tokens = torch::empty({n}, logits.options().dtype(at::kLong));
+  const float* lp = logits.data_ptr<float>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) out[r] = argmax_row(lp + r * v, v);
+  });
+  return tokens;
+}
+
 // ---------------------------------------------------------------------------
 // int8 weight-only GEMV for the memory-bound decode rows.
 //
@@ -1407,5 +1482,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, no_gil());
   m.def("silu_mul", &silu_mul, no_gil());
   m.def("sample_rows", &sample_rows, no_gil());
+  m.def("argmax_rows", &argmax_rows, no_gil());
   m.def("pack_kv_int8", &pack_kv_int8, no_gil());
 }
