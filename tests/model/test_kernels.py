@@ -227,7 +227,7 @@ def test_w8a16_gives_the_bits_of_its_definition_on_this_cpu(k, in_features, isa)
     try:
         for outputs in (48, 112, 40):
             _, q, scale, lanes8, _ = _lane_weights(outputs, in_features, 4)
-            for rows in (1, 2, 3, 4, 5, 9, 13, 16, 33, 40, 70):
+            for rows in (1, 2, 3, 4, 5, 7, 9, 13, 16, 33, 40, 70):
                 expected = _w8a16_by_definition(x[:rows], q, scale)
                 for prefetch, streaming in ((True, True), (False, True), (True, False)):
                     k.set_w8a16_prefetch(prefetch)
