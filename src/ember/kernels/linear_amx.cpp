@@ -43,8 +43,9 @@ constexpr int64_t TILE_ROWS = 16;
 // How far ahead gather_b_tiles asks for the weights it streams (as linear_lanes.cpp's calls that stream).
 constexpr int64_t STREAM_AHEAD = 4096;
 // Whether a call with one row tile (m <= 16: a decode step) streams its weights
-// pair by pair (linear_w8a16); lowered only by tests and benchmarks, to measure
-// the arrangement before it. The same bits either way.
+// pair by pair (linear_w8a16), and the weight tiles are gathered with vpermt2w
+// (gather_b_quads); lowered only by tests and benchmarks, to measure the
+// arrangement before both. The same bits either way.
 bool streaming = true;
 
 #ifdef EMBER_AMX
@@ -86,17 +87,11 @@ void load_tile_config() {
   _tile_loadconfig(&config);
 }
 
-// The B tiles of outputs [16 b, 16 b + 16), one per 64 inputs, 1 KB each: row i of
-// tile t holds, for each of the 16 outputs, its weights for inputs 64 t + 4 i ..
-// + 3. The lanes layout gives a pair (2 inputs) of 8 outputs per 16 bytes;
-// interleaving the 16-bit units of two consecutive pairs yields 4 inputs for 4
-// outputs per 16 bytes.
-//
-// This is where a call with few row tiles (a 16-row decode step) reads every
-// weight from memory: with ``prefetch`` it asks for each cache line STREAM_AHEAD
-// bytes ahead, past the 4 KB pages where the hardware prefetcher stops.
-void gather_b_quads(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, int64_t q0, int64_t q1, bool prefetch) {
-  const int64_t block_bytes = k * 8;  // one lanes block: K/2 pairs x 8 outputs x 2
+// The same tile rows, 32 bytes at a time with 128-bit unpacks: the gather before
+// vpermt2w, kept for the previous arrangement (``streaming`` off) that the engine
+// bench measures next to the default.
+void gather_b_quads_unpacked(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, int64_t q0, int64_t q1, bool prefetch) {
+  const int64_t block_bytes = k * 8;
   for (int half = 0; half < 2; ++half) {
     const int8_t* block = lanes + (2 * b + half) * block_bytes;
     for (int64_t quad = q0; quad < q1; ++quad) {
@@ -107,6 +102,42 @@ void gather_b_quads(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, in
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row), _mm_unpacklo_epi16(p0, p1));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 16), _mm_unpackhi_epi16(p0, p1));
     }
+  }
+}
+
+// The B tiles of outputs [16 b, 16 b + 16), one per 64 inputs, 1 KB each: row i of
+// tile t holds, for each of the 16 outputs, its weights for inputs 64 t + 4 i ..
+// + 3. The lanes layout gives a pair (2 inputs) of 8 outputs per 16 bytes;
+// interleaving the 16-bit units of two consecutive pairs yields 4 inputs for 4
+// outputs per 16 bytes. Inputs [4 q0, 4 q1) only (``quad`` = 4 inputs).
+//
+// This is where a call with few row tiles (a 16-row decode step) reads every
+// weight from memory: with ``prefetch`` it asks for each cache line STREAM_AHEAD
+// bytes ahead, past the 4 KB pages where the hardware prefetcher stops.
+void gather_b_quads(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, int64_t q0, int64_t q1, bool prefetch) {
+  if (!streaming) return gather_b_quads_unpacked(lanes, k, b, tiles, q0, q1, prefetch);
+  // Two quads of both halves per iteration: 64 bytes (4 pairs) of each half's
+  // lanes block in, two whole tile rows out, the 16-bit units of both put in
+  // place by one vpermt2w each (q0 and q1 are even: a tile step is 16 quads).
+  const int64_t block_bytes = k * 8;  // one lanes block: K/2 pairs x 8 outputs x 2
+  const int8_t* half0 = lanes + (2 * b) * block_bytes;
+  const int8_t* half1 = half0 + block_bytes;
+  // Row q: output o < 8 takes units (pair 2q, unit o), (pair 2q + 1, unit o) of half 0;
+  // o >= 8 the same of half 1 (units 32.. of the two-source index). Row q + 1: pairs 2q + 2, 2q + 3.
+  alignas(64) static const uint16_t first[32] = {0,  8,  1,  9,  2,  10, 3,  11, 4,  12, 5,  13, 6,  14, 7,  15,
+                                                 32, 40, 33, 41, 34, 42, 35, 43, 36, 44, 37, 45, 38, 46, 39, 47};
+  alignas(64) static const uint16_t second[32] = {16, 24, 17, 25, 18, 26, 19, 27, 20, 28, 21, 29, 22, 30, 23, 31,
+                                                  48, 56, 49, 57, 50, 58, 51, 59, 52, 60, 53, 61, 54, 62, 55, 63};
+  const __m512i row_a = _mm512_load_si512(first), row_b = _mm512_load_si512(second);
+  for (int64_t quad = q0; quad < q1; quad += 2) {
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(half0 + quad * 32) + STREAM_AHEAD, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(half1 + quad * 32) + STREAM_AHEAD, _MM_HINT_T0);
+    }
+    const __m512i a = _mm512_loadu_si512(half0 + quad * 32);
+    const __m512i c = _mm512_loadu_si512(half1 + quad * 32);
+    _mm512_storeu_si512(tiles + quad * 64, _mm512_permutex2var_epi16(a, row_a, c));
+    _mm512_storeu_si512(tiles + quad * 64 + 64, _mm512_permutex2var_epi16(a, row_b, c));
   }
 }
 
