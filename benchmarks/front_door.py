@@ -215,6 +215,8 @@ class HttpxFront(HTTPFront):
 
 
 CLIENTS: dict[str, type[HTTPFront]] = {"aiohttp": AiohttpFront, "httpx": HttpxFront}
+# The kernels' previous default (a key of the engine bench's KERNEL_PATHS), measured in process next to the default.
+PREVIOUS_KERNELS = "amx-gather-first"
 
 
 # ---------------------------------------------------------------------------
@@ -328,13 +330,16 @@ def median_of_rounds(rounds: list[Figures]) -> Figures:
     return merged
 
 
-async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, dict[str, Figures]]:
-    """In process and through HTTP with each client, round by round: in process, then each client, then again.
+async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, dict[str, Figures], Figures | None]:
+    """In process and through HTTP with each client, round by round: in process, then each client, then again;
+    unless ``--skip-previous``, each round also runs the in-process engine on the previous default kernels
+    (``PREVIOUS_KERNELS``, switched process-wide for that visit: the server's process keeps its own).
 
     Both engines stay loaded and take turns (the idle one sleeps), so a stretch
     where this shared machine runs slower lands on every column instead of one:
     measured one after the other, the ratio moved by 0.2 between runs here.
     """
+    from benchmarks.engine_bench import kernel_path
     from ember.config import EngineConfig
     from ember.engine.async_engine import AsyncEngine
 
@@ -342,6 +347,7 @@ async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, dic
     await engine.start_async()
     fronts = [CLIENTS[name](url) for name in args.clients.split(",")]
     in_process: list[Figures] = []
+    previous_kernels: list[Figures] = []
     through_http: dict[str, list[Figures]] = {front.name: [] for front in fronts}
     try:
         for index in range(args.rounds):
@@ -349,11 +355,17 @@ async def _alternating(url: str, args: argparse.Namespace) -> tuple[Figures, dic
             for visit, front in enumerate(fronts):
                 figures = await measure(front, args, full=not args.quick, round_index=index, server_visit=visit)
                 through_http[front.name].append(figures)
+            if not args.skip_previous:
+                with kernel_path(PREVIOUS_KERNELS):  # its own prompts: the engine's prefix cache holds the first visit's
+                    previous_kernels.append(
+                        await measure(InProcessFront(engine), args, full=not args.quick, round_index=index, server_visit=len(fronts) + 1)
+                    )
     finally:
         for front in fronts:
             await front.close()
         engine.stop()
-    return median_of_rounds(in_process), {name: median_of_rounds(rounds) for name, rounds in through_http.items()}
+    previous = median_of_rounds(previous_kernels) if previous_kernels else None
+    return median_of_rounds(in_process), {name: median_of_rounds(rounds) for name, rounds in through_http.items()}, previous
 
 
 async def _previous_arrangement(args: argparse.Namespace) -> Figures:
@@ -384,7 +396,9 @@ ROWS: list[tuple[str, str, str, float, str]] = [
 ]
 
 
-def report(engine: Figures, http: dict[str, Figures], previous: Figures | None, meta: dict[str, Any]) -> str:
+def report(
+    engine: Figures, http: dict[str, Figures], previous: Figures | None, meta: dict[str, Any], previous_kernels: Figures | None = None
+) -> str:
     """The markdown table: in process, then each client's HTTP figures with their ratio to in process."""
 
     def cell(figures: Figures | None, key: str, unit: str, scale: float) -> str:
@@ -406,12 +420,18 @@ def report(engine: Figures, http: dict[str, Figures], previous: Figures | None, 
             f"~{engine.values.get('short_prompt_tokens', 0):.0f} tokens)"
         ),
         "",
-        f"| figure | in process (AsyncEngine) |{client_heads} previous arrangement, in process | target |",
-        "|---|---|" + "---|---|" * len(http) + "---|---|",
+        (
+            f"| figure | in process (AsyncEngine) |{client_heads} previous kernels ({PREVIOUS_KERNELS}), in process | "
+            "previous arrangement, in process | target |"
+        ),
+        "|---|---|" + "---|---|" * len(http) + "---|---|---|",
     ]
     for key, label, unit, scale, target in ROWS:
         client_cells = "".join(f" {cell(figures, key, unit, scale)} | {ratio(figures, key)} |" for figures in http.values())
-        lines.append(f"| {label} | {cell(engine, key, unit, scale)} |{client_cells} {cell(previous, key, unit, scale)} | {target} |")
+        lines.append(
+            f"| {label} | {cell(engine, key, unit, scale)} |{client_cells} {cell(previous_kernels, key, unit, scale)} | "
+            f"{cell(previous, key, unit, scale)} | {target} |"
+        )
     return "\n".join(lines)
 
 
@@ -429,7 +449,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="aiohttp,httpx",
         help="HTTP load generators, comma-separated (aiohttp, httpx); the first is the 'http' figures of the JSON (default %(default)s)",
     )
-    parser.add_argument("--skip-previous", action="store_true", help="leave out the previous-arrangement column")
+    parser.add_argument("--skip-previous", action="store_true", help="leave out the previous-kernels and previous-arrangement columns")
     parser.add_argument("--quick", action="store_true", help="single-stream decode and 16 streams only (what make test checks)")
     parser.add_argument("--out", default=None, help="result directory (default bench-results/front-door-<timestamp>)")
 
@@ -440,10 +460,10 @@ def main(args: argparse.Namespace) -> int:
     root = Path(args.out or f"bench-results/front-door-{datetime.now():%Y%m%d-%H%M%S}")
     root.mkdir(parents=True, exist_ok=True)
     with ServerProcess("--request-timeout", "600", threads=args.threads) as server:  # make serve's defaults otherwise
-        engine, http = asyncio.run(_alternating(server.url, args))
+        engine, http, previous_kernels = asyncio.run(_alternating(server.url, args))
     previous = None if args.skip_previous else asyncio.run(_previous_arrangement(args))
     meta = {"when": datetime.now().isoformat(timespec="seconds"), "threads": args.threads, "rounds": args.rounds}
-    text = report(engine, http, previous, meta)
+    text = report(engine, http, previous, meta, previous_kernels)
     (root / "front-door.md").write_text(text + "\n")
     (root / "front-door.json").write_text(
         json.dumps(
@@ -452,6 +472,7 @@ def main(args: argparse.Namespace) -> int:
                 "http": next(iter(http.values())).values,
                 "http_by_client": {name: figures.values for name, figures in http.items()},
                 "previous": previous.values if previous else None,
+                "previous_kernels": previous_kernels.values if previous_kernels else None,
                 **meta,
             },
             indent=1,
