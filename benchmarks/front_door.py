@@ -1,6 +1,6 @@
 """``python -m benchmarks front-door``: what a user gets through ``make serve``, next to the engine in process.
 
-One run measures the same workloads three ways (four with both HTTP clients) and prints them side by side
+One run measures the same workloads in each of these ways and prints them side by side
 with the ratio HTTP / in process (in process and HTTP take turns, ``--rounds``
 times, and each figure is the median of its rounds):
 
@@ -13,6 +13,9 @@ times, and each figure is the median of its rounds):
   (``--clients``): aiohttp, as vLLM's serving benchmark drives a server, and
   httpx, this bench's load generator before; on two cores the client's own
   CPU slows the server it measures (``HTTPFront``);
+* **previous kernels** (unless ``--skip-previous``): the same in-process engine
+  with the kernels' previous default switched on for its own visit each round
+  (``PREVIOUS_KERNELS``, the engine bench's ``kernel_path``);
 * **previous arrangement** (single-stream decode and 16 streams only): the
   engine built on this thread and stepped on another, which is what the
   server did before ``engine/compute_threads.py`` (2x slower decode).

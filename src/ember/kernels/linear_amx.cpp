@@ -40,7 +40,7 @@ namespace ember_amx {
 constexpr int64_t GROUP = 64;   // inputs per tile step = bytes per AMX tile row (a quantization group holds several)
 constexpr int64_t OUTS = 16;    // outputs per B tile (16 int32 columns of C)
 constexpr int64_t TILE_ROWS = 16;
-// How far ahead gather_b_tiles asks for the weights it streams (as linear_lanes.cpp's calls that stream).
+// How far ahead gather_b_quads asks for the weights it streams (as linear_lanes.cpp's calls that stream).
 constexpr int64_t STREAM_AHEAD = 4096;
 // Whether a call with one row tile (m <= 16: a decode step) streams its weights
 // pair by pair (linear_w8a16), and the weight tiles are gathered with vpermt2w
@@ -139,10 +139,6 @@ void gather_b_quads(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, in
     _mm512_storeu_si512(tiles + quad * 64, _mm512_permutex2var_epi16(a, row_a, c));
     _mm512_storeu_si512(tiles + quad * 64 + 64, _mm512_permutex2var_epi16(a, row_b, c));
   }
-}
-
-void gather_b_tiles(const int8_t* lanes, int64_t k, int64_t b, int8_t* tiles, bool prefetch) {
-  gather_b_quads(lanes, k, b, tiles, 0, k / 4, prefetch);
 }
 
 // acc (16 rows x 16 outputs, row stride `stride`) = fma(float(256 * c_hi + c_lo), scale of the row, acc):
@@ -250,6 +246,12 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
       }
     };
     auto nothing = [](int64_t) {};
+    // Pair p's B tiles (16-output blocks 2p and 2p + 1, the second one absent at an
+    // odd block count) for inputs [4 q0, 4 q1), into dst.
+    auto gather_pair = [&](int64_t p, int8_t* dst, int64_t q0, int64_t q1) {
+      gather_b_quads(lanes, k, 2 * p, dst, q0, q1, prefetch);
+      if (2 * p + 1 < blocks) gather_b_quads(lanes, k, 2 * p + 1, dst + k * OUTS, q0, q1, prefetch);
+    };
     if (m <= TILE_ROWS && streaming) {
       // One row tile (a decode step): each pair's tiles meet one row tile and are
       // done, so nothing is worth keeping in L2. The pair's tiles are gathered
@@ -258,10 +260,6 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
       // memory, the call's bottleneck, no longer stops for the tile products.
       // (Gathering every pair first, then multiplying, measured 0.90x at 16 rows.)
       std::unique_ptr<int8_t[]> buf(new int8_t[2 * pair_bytes]);
-      auto gather_pair = [&](int64_t p, int8_t* dst, int64_t q0, int64_t q1) {
-        gather_b_quads(lanes, k, 2 * p, dst, q0, q1, prefetch);
-        if (2 * p + 1 < blocks) gather_b_quads(lanes, k, 2 * p + 1, dst + k * OUTS, q0, q1, prefetch);
-      };
       gather_pair(p0, buf.get(), 0, k / 4);
       for (int64_t p = p0; p < p1; ++p) {
         const int8_t* tiles = buf.get() + ((p - p0) % 2) * pair_bytes;
@@ -279,10 +277,7 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
     // linear: it stays in L2); then each row tile's activations (in L1) meet
     // every pair in turn. The other order streamed all of A from L2 or beyond per pair.
     std::unique_ptr<int8_t[]> b_tiles(new int8_t[(p1 - p0) * pair_bytes]);
-    for (int64_t p = p0; p < p1; ++p) {
-      gather_b_tiles(lanes, k, 2 * p, b_tiles.get() + (p - p0) * pair_bytes, prefetch);
-      if (2 * p + 1 < blocks) gather_b_tiles(lanes, k, 2 * p + 1, b_tiles.get() + (p - p0) * pair_bytes + k * OUTS, prefetch);
-    }
+    for (int64_t p = p0; p < p1; ++p) gather_pair(p, b_tiles.get() + (p - p0) * pair_bytes, 0, k / 4);
     for (int64_t r0 = 0; r0 < m; r0 += TILE_ROWS) {
       for (int64_t p = p0; p < p1; ++p) pair_product(p, r0, b_tiles.get() + (p - p0) * pair_bytes, nothing);
     }
