@@ -24,7 +24,8 @@ Workloads (prompts are cache-busted unless the figure is about caching):
 single-stream decode and end to end (story prompt, 200 tokens, ignore_eos,
 temperature 0), TTFT of a short (~40-token) chat prompt, 50-token answers
 back to back (QPS), 16 concurrent streams x 200 tokens (output tok/s, TTFT
-mean), 1,000-token cold prefill (prompt tokens / TTFT), and 4 conversations x
+mean; then again at temperature 0.7 / top_p 0.9 with a seed per stream, and
+its ratio to greedy on the same front: issue 12's sampled target), 1,000-token cold prefill (prompt tokens / TTFT), and 4 conversations x
 6 turns in parallel over a shared 273-token system prompt (max_tokens 64,
 TTFT mean).
 """
@@ -65,11 +66,29 @@ class StreamResult:
         return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else float("nan")
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a request samples: greedy unless said otherwise."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+GREEDY = Sampling()
+
+
 class Front(Protocol):
     """A way to reach the engine: in process or through the server."""
 
     async def chat(
-        self, messages: list[dict[str, str]], *, max_tokens: int, ignore_eos: bool = False, session_id: str | None = None
+        self,
+        messages: list[dict[str, str]],
+        *,
+        max_tokens: int,
+        ignore_eos: bool = False,
+        session_id: str | None = None,
+        sampling: Sampling = GREEDY,
     ) -> StreamResult: ...
 
 
@@ -81,7 +100,13 @@ class InProcessFront:
         self._ids = 0
 
     async def chat(
-        self, messages: list[dict[str, str]], *, max_tokens: int, ignore_eos: bool = False, session_id: str | None = None
+        self,
+        messages: list[dict[str, str]],
+        *,
+        max_tokens: int,
+        ignore_eos: bool = False,
+        session_id: str | None = None,
+        sampling: Sampling = GREEDY,
     ) -> StreamResult:
         from ember.engine.api import SamplingParams
 
@@ -94,7 +119,9 @@ class InProcessFront:
         if prompt is None:
             prompt = tokenizer.encode_rendered(rendered)
         self._ids += 1
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed, ignore_eos=ignore_eos
+        )
         first = last = None
         tokens, cached, text = 0, 0, []
         async for out in self.engine.generate(f"fd-{self._ids}", prompt, params, session_id=session_id):
@@ -131,16 +158,25 @@ class HTTPFront:
         raise NotImplementedError
 
     async def chat(
-        self, messages: list[dict[str, str]], *, max_tokens: int, ignore_eos: bool = False, session_id: str | None = None
+        self,
+        messages: list[dict[str, str]],
+        *,
+        max_tokens: int,
+        ignore_eos: bool = False,
+        session_id: str | None = None,
+        sampling: Sampling = GREEDY,
     ) -> StreamResult:
-        body = {
+        body: dict[str, Any] = {
             "messages": messages,
             "max_tokens": max_tokens,
-            "temperature": 0,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
             "ignore_eos": ignore_eos,
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
         headers = {"X-Session-ID": session_id} if session_id else {}
         started = time.perf_counter()
         first = last = None
@@ -261,15 +297,29 @@ async def back_to_back(front: Front, figures: Figures, requests: int, rng: rando
     figures.put("qps_50", requests / (time.perf_counter() - started))
 
 
-async def concurrent_streams(front: Front, figures: Figures, streams: int, rng: random.Random) -> None:
+# What chat clients send (issue 12's sampled workload); stream i is seeded with i.
+CHAT_SAMPLING = Sampling(temperature=0.7, top_p=0.9)
+
+
+async def concurrent_streams(front: Front, figures: Figures, streams: int, rng: random.Random, *, sampled: bool = False) -> None:
+    """16 stories at once; greedy, or (``sampled``) at CHAT_SAMPLING with a seed per stream: then also
+    the ratio to this round's greedy figure on the same front, which must have run first."""
     prompts = [
         [{"role": "user", "content": f"{cache_busting_prefix(rng)} Write a long story about {STORY_TOPICS[i % len(STORY_TOPICS)]}."}]
         for i in range(streams)
     ]
+    samplings = [Sampling(CHAT_SAMPLING.temperature, CHAT_SAMPLING.top_p, seed=i) if sampled else GREEDY for i in range(streams)]
     started = time.perf_counter()
-    results = await asyncio.gather(*(front.chat(p, max_tokens=200, ignore_eos=True) for p in prompts))
+    results = await asyncio.gather(
+        *(front.chat(p, max_tokens=200, ignore_eos=True, sampling=s) for p, s in zip(prompts, samplings, strict=True))
+    )
     wall = time.perf_counter() - started
-    figures.put("streams16_tps", sum(r.tokens for r in results) / wall)
+    tps = sum(r.tokens for r in results) / wall
+    if sampled:
+        figures.put("streams16_sampled_tps", tps)
+        figures.put("streams16_sampled_vs_greedy", tps / figures.values["streams16_tps"])
+        return
+    figures.put("streams16_tps", tps)
     figures.put("streams16_ttft_mean_s", statistics.fmean(r.ttft_s for r in results))
 
 
@@ -313,6 +363,7 @@ async def measure(front: Front, args: argparse.Namespace, *, full: bool = True, 
     await single_stream(front, figures, args.runs)
     await concurrent_streams(front, figures, 16, rng)
     if full:
+        await concurrent_streams(front, figures, 16, rng, sampled=True)
         await short_ttft(front, figures, args.ttft_requests, rng)
         await back_to_back(front, figures, args.qps_requests, rng)
         await cold_prefill(front, figures, args.runs, rng)
@@ -392,11 +443,16 @@ ROWS: list[tuple[str, str, str, float, str]] = [
     ("qps_50", "50-token answers back to back", "req/s", 1.0, ">= 3.0"),
     ("streams16_tps", "16 streams x 200 tokens, output", "tok/s", 1.0, ">= 0.93x"),
     ("streams16_ttft_mean_s", "16 streams: TTFT mean", "ms", 1000.0, "<= 200 ms"),
+    ("streams16_sampled_tps", "16 streams, temperature 0.7 / top_p 0.9, seeded", "tok/s", 1.0, ">= 0.93x"),
+    ("streams16_sampled_vs_greedy", "  ... sampled / greedy (same front, same round)", "x", 1.0, ">= 0.95x"),
     ("prefill_tps", "cold prefill, ~1,000-token prompt", "tok/s", 1.0, ">= 0.95x"),
     ("multiturn_ttft_mean_s", "4 conversations x 6 turns: TTFT mean", "ms", 1000.0, "<= 60 ms"),
     ("multiturn_ttft_turn0_s", "  ... turn 1", "ms", 1000.0, ""),
     ("multiturn_ttft_last_s", "  ... turn 6", "ms", 1000.0, ""),
 ]
+
+# Rows that are already a ratio within their column (HTTP / in process of them says nothing).
+RATIO_KEYS = {key for key, _, unit, _, _ in ROWS if unit == "x"}
 
 
 def report(
@@ -408,9 +464,13 @@ def report(
         if figures is None or key not in figures.values:
             return ""
         value = figures.values[key] * scale
+        if unit == "x":  # a ratio within one column
+            return f"{value:.2f}x"
         return f"{value:,.1f} {unit}" if value < 100 else f"{value:,.0f} {unit}"
 
     def ratio(figures: Figures, key: str) -> str:
+        if key in RATIO_KEYS:
+            return ""
         if key in engine.values and key in figures.values and engine.values[key]:
             return f"{figures.values[key] / engine.values[key]:.2f}x"
         return ""
