@@ -25,9 +25,9 @@ single-stream decode and end to end (story prompt, 200 tokens, ignore_eos,
 temperature 0), TTFT of a short (~40-token) chat prompt, 50-token answers
 back to back (QPS), 16 concurrent streams x 200 tokens (output tok/s, TTFT
 mean; then again at temperature 0.7 / top_p 0.9 with a seed per stream, and
-its ratio to greedy on the same front: issue 12's sampled target), 1,000-token cold prefill (prompt tokens / TTFT), and 4 conversations x
-6 turns in parallel over a shared 273-token system prompt (max_tokens 64,
-TTFT mean).
+its ratio to greedy on the same front: issue 12's sampled target), 1,000-token
+cold prefill (prompt tokens / TTFT), and 4 conversations x 6 turns in
+parallel over a shared 273-token system prompt (max_tokens 64, TTFT mean).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import random
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -307,7 +307,7 @@ async def concurrent_streams(front: Front, figures: Figures, streams: int, rng: 
         [{"role": "user", "content": f"{cache_busting_prefix(rng)} Write a long story about {STORY_TOPICS[i % len(STORY_TOPICS)]}."}]
         for i in range(streams)
     ]
-    samplings = [Sampling(CHAT_SAMPLING.temperature, CHAT_SAMPLING.top_p, seed=i) if sampled else GREEDY for i in range(streams)]
+    samplings = [replace(CHAT_SAMPLING, seed=i) if sampled else GREEDY for i in range(streams)]
     started = time.perf_counter()
     results = await asyncio.gather(
         *(front.chat(p, max_tokens=200, ignore_eos=True, sampling=s) for p, s in zip(prompts, samplings, strict=True))
