@@ -269,6 +269,32 @@ def test_linear_contract_refuses_mismatched_weights(k):
     assert torch.equal(k.linear(torch.ones(1, 576), good), k.linear_w8a16(torch.ones(1, 576), lanes8, scale))
 
 
+@pytest.mark.parametrize("isa", ["vnni", "amx"])
+def test_swiglu_gives_the_bits_of_linear_then_silu_mul(k, isa):
+    """swiglu (the MLP's activation) fused into the AMX matmul's epilogue, gate block j paired with
+    up block j, gives bit for bit linear_w8a16's [gate | up] and then silu_mul, for 1-70 rows (the
+    fused path from AMX_MIN_ROWS on, the two calls under it and on other instruction sets); 2F =
+    96 and 64 outputs: an odd and an even number of 16-output pairs."""
+    if isa == "amx" and not k.amx_available():
+        pytest.skip("this CPU (or kernel) has no AMX tiles: swiglu runs linear, then silu_mul")
+    torch.manual_seed(8)
+    x = torch.randn(70, 576) * 2
+    x[2, 9] = 50.0
+    empty = torch.empty(0)
+    previous = k.set_w8a16_ceiling(isa)
+    try:
+        for outputs in (96, 64):
+            _, _, scale, lanes8, _ = _lane_weights(outputs, 576, 6)
+            weights = k.LinearWeights(kind=k.LinearKind.INT8_LANES, weight=lanes8, scale=scale, dense=empty, packed=empty, bias=empty, input_bf16=False)
+            for rows in (1, 6, 7, 16, 17, 70):
+                gate_up = k.linear_w8a16(x[:rows], lanes8, scale)
+                expected = torch.empty(rows, outputs // 2)
+                k.silu_mul(expected, gate_up)
+                assert torch.equal(k.swiglu(x[:rows], weights, torch.float32), expected), (outputs, rows)
+    finally:
+        k.set_w8a16_ceiling(previous)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul(k, out_dtype):
     """Vectorised exp in float32 (17 rows, 1,540 features: several pieces and a tail), a scalar one for bfloat16."""

@@ -21,6 +21,8 @@ from types import ModuleType
 log = logging.getLogger("ember.kernels")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "linear_lanes.cpp", "linear_amx.cpp")]
+# Included by the sources: part of the build's hash, not compiled on its own.
+_HEADERS = [Path(__file__).with_name("simd_math.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False
@@ -38,7 +40,7 @@ def load() -> ModuleType | None:
         try:
             from torch.utils.cpp_extension import load as build
 
-            digest = hashlib.sha256(b"".join(source.read_bytes() for source in _SOURCES)).hexdigest()[:12]
+            digest = hashlib.sha256(b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)).hexdigest()[:12]
             _module = build(
                 name=f"ember_cpu_kernels_{digest}",
                 sources=[str(source) for source in _SOURCES],

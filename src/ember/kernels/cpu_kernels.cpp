@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_math.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define EMBER_AVX512 1
@@ -33,6 +35,7 @@ using BF16 = c10::BFloat16;
 
 // linear_lanes.cpp: the batch-invariant linears.
 Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale);
+bool swiglu_w8a16(Tensor act, Tensor x, Tensor w, Tensor scale);
 Tensor linear_f32_lanes(Tensor x, Tensor w);
 std::string set_w8a16_ceiling(const std::string& path);
 bool amx_available();
@@ -201,24 +204,7 @@ constexpr int64_t MAX_SPAN = 1024;
 constexpr int64_t ATTENTION_TILE = 16;
 
 #ifdef EMBER_AVX512
-// exp(x) in float32: 2^(x log2 e) as 2^n * p(f), p a degree-6 polynomial of
-// 2^f on [-0.5, 0.5]; relative error ~2e-7 for |x| < 10, up to ~5e-6 near
-// |x| = 87 (ln 2 is not split), plenty for softmax and SiLU. Below -87 it
-// returns ~0; above 88.7 it overflows to inf, as std::exp does; NaN stays NaN.
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-87.f), x);  // operands in this order: a NaN passes through
-  const __m512 y = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(y, n);
-  __m512 p = _mm512_set1_ps(1.5353362e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180916e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503406e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using ember_simd::exp_ps;
 #endif
 
 #ifdef EMBER_AVX2
@@ -811,12 +797,8 @@ void silu_mul(Tensor out, Tensor gate_up) {
           int64_t i = i0;
 #ifdef EMBER_AVX512
           if constexpr (std::is_same_v<std::decay_t<decltype(*gp)>, float> && std::is_same_v<std::decay_t<decltype(*op)>, float>) {
-            const __m512 one = _mm512_set1_ps(1.f);
-            for (; i + 16 <= i1; i += 16) {
-              const __m512 g = _mm512_loadu_ps(g_row + i), u = _mm512_loadu_ps(g_row + f + i);
-              const __m512 sig = _mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-              _mm512_storeu_ps(o_row + i, _mm512_mul_ps(sig, u));
-            }
+            for (; i + 16 <= i1; i += 16)
+              _mm512_storeu_ps(o_row + i, ember_simd::silu_mul_ps(_mm512_loadu_ps(g_row + i), _mm512_loadu_ps(g_row + f + i)));
           }
 #elif defined(EMBER_AVX2)
           if constexpr (std::is_same_v<std::decay_t<decltype(*gp)>, float> && std::is_same_v<std::decay_t<decltype(*op)>, float>) {
@@ -1319,6 +1301,22 @@ Tensor linear(Tensor x, const LinearWeights& w) {
   return w.bias.defined() && w.bias.numel() ? y.add_(w.bias) : y;
 }
 
+// act (T, F) = silu(gate) * up of x's gate_up linear (outputs [gate | up], 2F),
+// in ``dtype``: the one rule for the MLP's activation. Int8 lanes weights on AMX
+// fuse it into the matmul's epilogue (half the output written, no second pass);
+// any other weights run linear, then silu_mul. The same bits either way.
+Tensor swiglu(Tensor x, const LinearWeights& w, at::ScalarType dtype) {
+  const bool biased = w.bias.defined() && w.bias.numel();
+  if (w.kind == LinearKind::Int8Lanes && dtype == at::kFloat && !biased) {
+    Tensor act = torch::empty({x.size(0), w.scale.numel() / 2}, x.options().dtype(at::kFloat));
+    if (swiglu_w8a16(act, x, w.weight, w.scale)) return act;
+  }
+  Tensor gate_up = linear(x, w);
+  Tensor act = torch::empty({x.size(0), gate_up.size(1) / 2}, x.options().dtype(dtype));
+  silu_mul(act, gate_up.contiguous());
+  return act;
+}
+
 // The whole decoder stack for a step without prompt chunks, in one call: per
 // layer the same kernels, in the same order, as model/llama.py's layer-by-layer
 // path. table_rows as in paged_attention: a decode verifying a draft has
@@ -1350,10 +1348,7 @@ Tensor decode_layers(Tensor x, const std::vector<LayerWeights>& layers, std::vec
     Tensor o = linear(attn, lw.o);
     Tensor h2 = torch::empty({tokens, hidden}, dtype_for(lw.gate_up));
     add_rmsnorm(h2, x, o.contiguous(), lw.ffn_norm, eps);
-    Tensor gate_up = linear(h2, lw.gate_up);
-    Tensor act = torch::empty({tokens, gate_up.size(1) / 2}, dtype_for(lw.down));
-    silu_mul(act, gate_up.contiguous());
-    delta = linear(act, lw.down);
+    delta = linear(swiglu(h2, lw.gate_up, lw.down.input_bf16 ? at::kBFloat16 : at::kFloat), lw.down);
   }
   if (delta.defined()) x.add_(delta);
   return x;
@@ -1481,6 +1476,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, no_gil());
   m.def("paged_attention", &paged_attention, no_gil());
   m.def("silu_mul", &silu_mul, no_gil());
+  m.def("swiglu", &swiglu, no_gil());
   m.def("sample_rows", &sample_rows, no_gil());
   m.def("argmax_rows", &argmax_rows, no_gil());
   m.def("pack_kv_int8", &pack_kv_int8, no_gil());

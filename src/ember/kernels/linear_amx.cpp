@@ -28,6 +28,8 @@
 #include <cstring>
 #include <memory>
 
+#include "simd_math.h"
+
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -205,8 +207,8 @@ bool available() {
 }
 
 bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
-                  int64_t n, float* y, bool prefetch) {
-  if (k % GROUP != 0 || group % GROUP != 0 || n % OUTS != 0 || !available()) return false;
+                  int64_t n, float* y, bool prefetch, bool swiglu) {
+  if (k % GROUP != 0 || group % GROUP != 0 || n % (swiglu ? 2 * OUTS : OUTS) != 0 || !available()) return false;
   const int64_t padded = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
   // Codes split into bytes (vpsraw / vpand, then narrowed); padding rows are zero (their outputs are dropped).
   std::unique_ptr<int8_t[]> hi_buf(new int8_t[padded * k]);
@@ -222,7 +224,13 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c * 32), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xff))));
     }
   });
-  const int64_t blocks = n / OUTS, pairs = (blocks + 1) / 2;
+  // A pair is the two 16-output blocks one row tile meets together: blocks 2p and
+  // 2p + 1 (the second absent at an odd count); with swiglu, gate block p and up
+  // block p, so that both halves of an output are in the pair's epilogue.
+  const int64_t blocks = n / OUTS, pairs = swiglu ? blocks / 2 : (blocks + 1) / 2;
+  const int64_t y_stride = swiglu ? n / 2 : n;
+  auto first_block = [&](int64_t p) { return swiglu ? p : 2 * p; };
+  auto second_block = [&](int64_t p) { return swiglu ? p + pairs : 2 * p + 1; };
   at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
     load_tile_config();
     const int64_t pair_bytes = 2 * k * OUTS;
@@ -230,27 +238,33 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
     alignas(64) int32_t c_buf[2 * TILE_ROWS * OUTS];
     auto pair_product = [&](int64_t p, int64_t r0, const int8_t* tiles, const auto& step) {
       const int64_t rows = std::min(TILE_ROWS, m - r0);
-      const int64_t b = 2 * p;
-      const bool two = b + 1 < blocks;
+      const int64_t b0 = first_block(p), b1 = second_block(p);
+      const bool two = b1 < blocks;
       if (two) {
         row_tile<2>(hi, lo, scales, r0, rows, k, group, tiles, k * OUTS, acc, c_buf, step);
       } else {
         row_tile<1>(hi, lo, scales, r0, rows, k, group, tiles, k * OUTS, acc, c_buf, step);
       }
       const int64_t width = two ? 2 * OUTS : OUTS;
+      const __m512 ws0 = _mm512_loadu_ps(wscale + b0 * OUTS);
+      const __m512 ws1 = two ? _mm512_loadu_ps(wscale + b1 * OUTS) : ws0;
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t j = 0; j < width; j += OUTS) {
-          const __m512 ws = _mm512_loadu_ps(wscale + b * OUTS + j);
-          _mm512_storeu_ps(y + (r0 + r) * n + b * OUTS + j, _mm512_mul_ps(_mm512_loadu_ps(acc + r * width + j), ws));
+        // The definition's output acc * w_scale, then (swiglu) silu_mul's arithmetic on it.
+        const __m512 out0 = _mm512_mul_ps(_mm512_loadu_ps(acc + r * width), ws0);
+        float* y_row = y + (r0 + r) * y_stride;
+        if (swiglu) {
+          _mm512_storeu_ps(y_row + p * OUTS, ember_simd::silu_mul_ps(out0, _mm512_mul_ps(_mm512_loadu_ps(acc + r * width + OUTS), ws1)));
+          continue;
         }
+        _mm512_storeu_ps(y_row + b0 * OUTS, out0);
+        if (two) _mm512_storeu_ps(y_row + b1 * OUTS, _mm512_mul_ps(_mm512_loadu_ps(acc + r * width + OUTS), ws1));
       }
     };
     auto nothing = [](int64_t) {};
-    // Pair p's B tiles (16-output blocks 2p and 2p + 1, the second one absent at an
-    // odd block count) for inputs [4 q0, 4 q1), into dst.
+    // Pair p's B tiles for inputs [4 q0, 4 q1), into dst.
     auto gather_pair = [&](int64_t p, int8_t* dst, int64_t q0, int64_t q1) {
-      gather_b_quads(lanes, k, 2 * p, dst, q0, q1, prefetch);
-      if (2 * p + 1 < blocks) gather_b_quads(lanes, k, 2 * p + 1, dst + k * OUTS, q0, q1, prefetch);
+      gather_b_quads(lanes, k, first_block(p), dst, q0, q1, prefetch);
+      if (second_block(p) < blocks) gather_b_quads(lanes, k, second_block(p), dst + k * OUTS, q0, q1, prefetch);
     };
     if (m <= TILE_ROWS && streaming) {
       // One row tile (a decode step): each pair's tiles meet one row tile and are
@@ -291,7 +305,9 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
 bool set_streaming(bool) { return false; }
 bool available() { return false; }
 
-bool linear_w8a16(const int16_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*, bool) { return false; }
+bool linear_w8a16(const int16_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*, bool, bool) {
+  return false;
+}
 
 #endif
 

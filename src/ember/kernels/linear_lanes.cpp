@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <iterator>
 #include <string>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -52,7 +53,7 @@ using torch::Tensor;
 namespace ember_amx {
 bool available();
 bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
-                  int64_t n, float* y, bool prefetch);
+                  int64_t n, float* y, bool prefetch, bool swiglu);
 }  // namespace ember_amx
 
 namespace {
@@ -430,16 +431,11 @@ Tensor float_rows(const Tensor& x) {
 
 }  // namespace
 
-// y (M, N) float32 = x (M, K) @ W^T, W given as int8 lanes (N/8, K/2, 8, 2) and scales (N,).
-Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
-  const Tensor xf = float_rows(x);
-  const int64_t m = xf.size(0), k = xf.size(1);
-  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.is_contiguous() && w.size(1) * 2 == k && w.size(2) == LANES && w.size(3) == 2,
-              "linear_w8a16: w must be int8 (N/8, K/2, 8, 2) for K = ", k);
-  const int64_t n = w.size(0) * LANES, groups = (k + QUANT_GROUP - 1) / QUANT_GROUP;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == n && scale.is_contiguous(), "linear_w8a16: scale must be float32 (N,)");
-  Tensor y = torch::empty({m, n}, xf.options());
-  if (m == 0) return y;
+namespace {
+
+// x (M, K) float32 rows as the definition's int16 codes (M, K) and per-group scales (M, K / QUANT_GROUP).
+std::pair<Tensor, Tensor> quantize_rows(const Tensor& xf) {
+  const int64_t m = xf.size(0), k = xf.size(1), groups = (k + QUANT_GROUP - 1) / QUANT_GROUP;
   Tensor codes = torch::empty({m, k}, xf.options().dtype(at::kShort));
   Tensor scales = torch::empty({m, groups}, xf.options());
   const float* xp = xf.data_ptr<float>();
@@ -448,9 +444,52 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, cp + r * k, sp + r * groups);
   });
+  return {codes, scales};
+}
+
+void check_w8a16(const Tensor& xf, const Tensor& w, const Tensor& scale) {
+  const int64_t k = xf.size(1);
+  TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 4 && w.is_contiguous() && w.size(1) * 2 == k && w.size(2) == LANES && w.size(3) == 2,
+              "linear_w8a16: w must be int8 (N/8, K/2, 8, 2) for K = ", k);
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0) * LANES && scale.is_contiguous(),
+              "linear_w8a16: scale must be float32 (N,)");
+}
+
+}  // namespace
+
+// act (M, N/2) float32 = silu(gate) * up for y = x W^T whose N outputs are
+// [gate | up] (W as in linear_w8a16): on AMX tiles, fused into the matmul's
+// epilogue, so half the output is written and no second pass reads it back.
+// The same bits as linear_w8a16 followed by silu_mul. Returns false, act
+// untouched, where this call would not run on AMX; the caller runs those two.
+bool swiglu_w8a16(Tensor act, Tensor x, Tensor w, Tensor scale) {
+  const Tensor xf = float_rows(x);
+  check_w8a16(xf, w, scale);
+  const int64_t m = xf.size(0), k = xf.size(1), n = w.size(0) * LANES;
+  TORCH_CHECK(act.scalar_type() == at::kFloat && act.is_contiguous() && act.dim() == 2 && act.size(0) == m && act.size(1) * 2 == n,
+              "swiglu_w8a16: act must be float32 (M, N/2)");
+  if (!path_allowed(W8A16Path::amx) || m < AMX_MIN_ROWS || !ember_amx::available()) return false;
+  const auto [codes, scales] = quantize_rows(xf);
+  return ember_amx::linear_w8a16(codes.data_ptr<int16_t>(), scales.data_ptr<float>(), m, k, QUANT_GROUP, w.data_ptr<int8_t>(),
+                                 scale.data_ptr<float>(), n, act.data_ptr<float>(), w8a16_prefetch, true);
+}
+
+// y (M, N) float32 = x (M, K) @ W^T, W given as int8 lanes (N/8, K/2, 8, 2) and scales (N,).
+Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
+  const Tensor xf = float_rows(x);
+  check_w8a16(xf, w, scale);
+  const int64_t m = xf.size(0), k = xf.size(1);
+  const int64_t n = w.size(0) * LANES, groups = (k + QUANT_GROUP - 1) / QUANT_GROUP;
+  Tensor y = torch::empty({m, n}, xf.options());
+  if (m == 0) return y;
+  const auto [codes, scales] = quantize_rows(xf);
+  const int16_t* cp = codes.data_ptr<int16_t>();
+  const float* sp = scales.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
-  if (path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS && ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>(), w8a16_prefetch)) return y;
+  if (path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS &&
+      ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>(), w8a16_prefetch, false))
+    return y;
 #ifdef EMBER_VNNI512
   if (path_allowed(W8A16Path::vnni) && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
     for_lane_blocks<2, 8>(m, n, y.data_ptr<float>(), nullptr, 0, [&](auto rows, int64_t r, int64_t b, float* out, const Prefetch&) {

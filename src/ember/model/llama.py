@@ -261,11 +261,10 @@ class MLP(nn.Module):
         self.down = make_linear(w["down"], None, numerics)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)  # (T, 2F)
-        if self.kernels is not None:
-            act = torch.empty(x.shape[0], self.hidden, dtype=self.down.input_dtype, device=x.device)
-            self.kernels.silu_mul(act, gate_up.contiguous())
+        if self.kernels is not None and self.gate_up.kernel_weights is not None:
+            act = self.kernels.swiglu(x, self.gate_up.kernel_weights, self.down.input_dtype)
         else:
+            gate_up = self.gate_up(x)  # (T, 2F)
             act = (F.silu(gate_up[:, : self.hidden]) * gate_up[:, self.hidden :]).to(self.down.input_dtype)
         return self.down(act)
 
