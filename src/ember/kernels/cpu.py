@@ -22,7 +22,7 @@ log = logging.getLogger("ember.kernels")
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "linear_lanes.cpp", "linear_amx.cpp")]
 # Included by the sources: part of the build's hash, not compiled on its own.
-_HEADERS = [Path(__file__).with_name("simd_math.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("linear_amx.h", "simd_math.h")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _tried = False

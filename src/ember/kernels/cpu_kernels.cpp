@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "linear_amx.h"
 #include "simd_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -41,9 +42,6 @@ std::string set_w8a16_ceiling(const std::string& path);
 bool amx_available();
 bool vnni_available();
 bool set_w8a16_prefetch(bool on);
-namespace ember_amx {
-bool set_streaming(bool on);
-}
 
 namespace {
 

@@ -28,6 +28,7 @@
 #include <cstring>
 #include <memory>
 
+#include "linear_amx.h"
 #include "simd_math.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__linux__)
@@ -41,7 +42,6 @@ namespace ember_amx {
 
 constexpr int64_t GROUP = 64;   // inputs per tile step = bytes per AMX tile row (a quantization group holds several)
 constexpr int64_t OUTS = 16;    // outputs per B tile (16 int32 columns of C)
-constexpr int64_t TILE_ROWS = 16;
 // How far ahead gather_b_quads asks for the weights it streams (as linear_lanes.cpp's calls that stream).
 constexpr int64_t STREAM_AHEAD = 4096;
 // Whether a call with one row tile (m <= 16: a decode step) streams its weights
@@ -206,24 +206,12 @@ bool available() {
   return ok;
 }
 
-bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
-                  int64_t n, float* y, bool prefetch, bool swiglu) {
-  if (k % GROUP != 0 || group % GROUP != 0 || n % (swiglu ? 2 * OUTS : OUTS) != 0 || !available()) return false;
-  const int64_t padded = (m + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-  // Codes split into bytes (vpsraw / vpand, then narrowed); padding rows are zero (their outputs are dropped).
-  std::unique_ptr<int8_t[]> hi_buf(new int8_t[padded * k]);
-  std::unique_ptr<uint8_t[]> lo_buf(new uint8_t[padded * k]);
-  int8_t* hi = hi_buf.get();
-  uint8_t* lo = lo_buf.get();
-  std::memset(hi + m * k, 0, (padded - m) * k);
-  std::memset(lo + m * k, 0, (padded - m) * k);
-  at::parallel_for(0, m * k / 32, 256, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const __m512i v = _mm512_loadu_si512(codes + c * 32);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + c * 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(v, 8)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + c * 32), _mm512_cvtepi16_epi8(_mm512_and_si512(v, _mm512_set1_epi16(0xff))));
-    }
-  });
+bool takes(int64_t k, int64_t group, int64_t n, bool swiglu) {
+  return k % GROUP == 0 && group % GROUP == 0 && n % (swiglu ? 2 * OUTS : OUTS) == 0 && available();
+}
+
+void linear_w8a16(const int8_t* hi, const uint8_t* lo, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes,
+                  const float* wscale, int64_t n, float* y, bool prefetch, bool swiglu) {
   // A pair is the two 16-output blocks one row tile meets together: blocks 2p and
   // 2p + 1 (the second absent at an odd count); with swiglu, gate block p and up
   // block p, so that both halves of an output are in the pair's epilogue.
@@ -297,7 +285,6 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
     }
     _tile_release();
   });
-  return true;
 }
 
 #else
@@ -305,9 +292,9 @@ bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t 
 bool set_streaming(bool) { return false; }
 bool available() { return false; }
 
-bool linear_w8a16(const int16_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*, bool, bool) {
-  return false;
-}
+bool takes(int64_t, int64_t, int64_t, bool) { return false; }
+void linear_w8a16(const int8_t*, const uint8_t*, const float*, int64_t, int64_t, int64_t, const int8_t*, const float*, int64_t, float*, bool,
+                  bool) {}
 
 #endif
 

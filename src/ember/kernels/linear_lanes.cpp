@@ -39,9 +39,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <iterator>
 #include <string>
 #include <utility>
+
+#include "linear_amx.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -50,11 +53,6 @@
 
 using torch::Tensor;
 
-namespace ember_amx {
-bool available();
-bool linear_w8a16(const int16_t* codes, const float* scales, int64_t m, int64_t k, int64_t group, const int8_t* lanes, const float* wscale,
-                  int64_t n, float* y, bool prefetch, bool swiglu);
-}  // namespace ember_amx
 
 namespace {
 
@@ -137,10 +135,38 @@ inline int16_t quantize_one(float x, float inv) {
   return static_cast<int16_t>(std::min(INT16_MAX_F, std::max(-INT16_MAX_F, q)));
 }
 
-// x row (K floats) -> int16 codes and one scale per group of QUANT_GROUP inputs.
-// A group of zeros gets scale 0 (and codes 0). The group's max ignores NaN
-// (std::max(amax, NaN) keeps amax; _mm*_max_ps(NaN, amax) returns amax too).
-void quantize_row(const float* x, int64_t k, int16_t* codes, float* scales) {
+// Where quantize_row puts a row's codes: as int16 (the vector kernels) ...
+struct Int16Codes {
+  int16_t* codes;
+  void put(int64_t i, int16_t c) const { codes[i] = c; }
+#if defined(__AVX512F__)
+  void put16(int64_t i, __m512i c) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtepi32_epi16(c)); }
+#endif
+};
+
+// ... or split exactly into the bytes AMX multiplies (linear_amx.cpp):
+// c = 256 * hi + lo, hi = c >> 8 (signed), lo = c & 255.
+struct SplitCodes {
+  int8_t* hi;
+  uint8_t* lo;
+  void put(int64_t i, int16_t c) const {
+    hi[i] = static_cast<int8_t>(c >> 8);
+    lo[i] = static_cast<uint8_t>(c & 255);
+  }
+#if defined(__AVX512F__)
+  void put16(int64_t i, __m512i c) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(c, 8)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtepi32_epi8(_mm512_and_si512(c, _mm512_set1_epi32(255))));
+  }
+#endif
+};
+
+// x row (K floats) -> int16 codes (into ``out``) and one scale per group of
+// QUANT_GROUP inputs. A group of zeros gets scale 0 (and codes 0). The group's
+// max ignores NaN (std::max(amax, NaN) keeps amax; _mm*_max_ps(NaN, amax)
+// returns amax too).
+template <typename Codes>
+void quantize_row(const float* x, int64_t k, const Codes& out, float* scales) {
   for (int64_t g0 = 0, g = 0; g0 < k; g0 += QUANT_GROUP, ++g) {
     const int64_t g1 = std::min(k, g0 + QUANT_GROUP);
     int64_t i = g0;
@@ -167,18 +193,19 @@ void quantize_row(const float* x, int64_t k, int16_t* codes, float* scales) {
     for (; i + 16 <= g1; i += 16) {
       const __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m512 clamped = _mm512_min_ps(_mm512_max_ps(q, lo), hi);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(clamped)));
+      out.put16(i, _mm512_cvtps_epi32(clamped));
     }
 #elif defined(EMBER_AVX2)
     const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(INT16_MAX_F), lo = _mm256_set1_ps(-INT16_MAX_F);
     for (; i + 8 <= g1; i += 8) {
       const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i ints = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
-      const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), packed);
+      alignas(16) int16_t packed[8];
+      _mm_store_si128(reinterpret_cast<__m128i*>(packed), _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1)));
+      for (int j = 0; j < 8; ++j) out.put(i + j, packed[j]);
     }
 #endif
-    for (; i < g1; ++i) codes[i] = quantize_one(x[i], inv);
+    for (; i < g1; ++i) out.put(i, quantize_one(x[i], inv));
   }
 }
 
@@ -442,9 +469,45 @@ std::pair<Tensor, Tensor> quantize_rows(const Tensor& xf) {
   int16_t* cp = codes.data_ptr<int16_t>();
   float* sp = scales.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, cp + r * k, sp + r * groups);
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, Int16Codes{cp + r * k}, sp + r * groups);
   });
   return {codes, scales};
+}
+
+// The same codes split into bytes for ember_amx::linear_w8a16: hi (int8) and lo
+// (uint8), (M, K) with M = the rows rounded up to whole AMX row tiles (padding
+// rows zero), and the scales (rows, K / QUANT_GROUP).
+struct SplitRows {
+  Tensor hi, lo, scales;
+};
+
+SplitRows quantize_rows_split(const Tensor& xf) {
+  const int64_t m = xf.size(0), k = xf.size(1), groups = (k + QUANT_GROUP - 1) / QUANT_GROUP;
+  const int64_t padded = (m + ember_amx::TILE_ROWS - 1) / ember_amx::TILE_ROWS * ember_amx::TILE_ROWS;
+  SplitRows split{torch::empty({padded, k}, xf.options().dtype(at::kChar)), torch::empty({padded, k}, xf.options().dtype(at::kByte)),
+                  torch::empty({m, groups}, xf.options())};
+  int8_t* hi = split.hi.data_ptr<int8_t>();
+  uint8_t* lo = split.lo.data_ptr<uint8_t>();
+  std::memset(hi + m * k, 0, (padded - m) * k);
+  std::memset(lo + m * k, 0, (padded - m) * k);
+  const float* xp = xf.data_ptr<float>();
+  float* sp = split.scales.data_ptr<float>();
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(xp + r * k, k, SplitCodes{hi + r * k, lo + r * k}, sp + r * groups);
+  });
+  return split;
+}
+
+// Whether a W8A16 call of m rows runs on AMX tiles (ember_amx::takes for the shape).
+bool runs_on_amx(int64_t m, int64_t k, int64_t n, bool swiglu) {
+  return path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS && ember_amx::takes(k, QUANT_GROUP, n, swiglu);
+}
+
+// ember_amx::linear_w8a16 on x's rows (runs_on_amx must hold).
+void amx_w8a16(const Tensor& xf, const Tensor& w, const Tensor& scale, float* y, bool swiglu) {
+  const SplitRows split = quantize_rows_split(xf);
+  ember_amx::linear_w8a16(split.hi.data_ptr<int8_t>(), split.lo.data_ptr<uint8_t>(), split.scales.data_ptr<float>(), xf.size(0), xf.size(1),
+                          QUANT_GROUP, w.data_ptr<int8_t>(), scale.data_ptr<float>(), w.size(0) * LANES, y, w8a16_prefetch, swiglu);
 }
 
 void check_w8a16(const Tensor& xf, const Tensor& w, const Tensor& scale) {
@@ -468,10 +531,9 @@ bool swiglu_w8a16(Tensor act, Tensor x, Tensor w, Tensor scale) {
   const int64_t m = xf.size(0), k = xf.size(1), n = w.size(0) * LANES;
   TORCH_CHECK(act.scalar_type() == at::kFloat && act.is_contiguous() && act.dim() == 2 && act.size(0) == m && act.size(1) * 2 == n,
               "swiglu_w8a16: act must be float32 (M, N/2)");
-  if (!path_allowed(W8A16Path::amx) || m < AMX_MIN_ROWS || !ember_amx::available()) return false;
-  const auto [codes, scales] = quantize_rows(xf);
-  return ember_amx::linear_w8a16(codes.data_ptr<int16_t>(), scales.data_ptr<float>(), m, k, QUANT_GROUP, w.data_ptr<int8_t>(),
-                                 scale.data_ptr<float>(), n, act.data_ptr<float>(), w8a16_prefetch, true);
+  if (!runs_on_amx(m, k, n, true)) return false;
+  amx_w8a16(xf, w, scale, act.data_ptr<float>(), true);
+  return true;
 }
 
 // y (M, N) float32 = x (M, K) @ W^T, W given as int8 lanes (N/8, K/2, 8, 2) and scales (N,).
@@ -482,14 +544,15 @@ Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale) {
   const int64_t n = w.size(0) * LANES, groups = (k + QUANT_GROUP - 1) / QUANT_GROUP;
   Tensor y = torch::empty({m, n}, xf.options());
   if (m == 0) return y;
+  if (runs_on_amx(m, k, n, false)) {
+    amx_w8a16(xf, w, scale, y.data_ptr<float>(), false);
+    return y;
+  }
   const auto [codes, scales] = quantize_rows(xf);
   const int16_t* cp = codes.data_ptr<int16_t>();
   const float* sp = scales.data_ptr<float>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* ws = scale.data_ptr<float>();
-  if (path_allowed(W8A16Path::amx) && m >= AMX_MIN_ROWS &&
-      ember_amx::linear_w8a16(cp, sp, m, k, QUANT_GROUP, wp, ws, n, y.data_ptr<float>(), w8a16_prefetch, false))
-    return y;
 #ifdef EMBER_VNNI512
   if (path_allowed(W8A16Path::vnni) && m >= VNNI_MIN_ROWS && n % (2 * LANES) == 0) {
     for_lane_blocks<2, 8>(m, n, y.data_ptr<float>(), nullptr, 0, [&](auto rows, int64_t r, int64_t b, float* out, const Prefetch&) {
