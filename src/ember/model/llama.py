@@ -409,10 +409,11 @@ class LlamaModel(nn.Module):
         # (T, D), a fresh tensor: updated in place below
         x = cast(Int8Linear, self.lm_head).rows(input_ids).to(self.dtype) if self.embed is None else F.embedding(input_ids, self.embed)
         meta.positions = positions
-        if self._decode_plan is not None and not meta.prefills and per_layer is None:
-            # Decode-only step (drafts included): the whole stack in one compiled call, no Python per layer.
+        unified = meta.token_context_lens is not None
+        if self._decode_plan is not None and (unified or not meta.prefills) and per_layer is None:
+            # The whole stack in one compiled call, no Python per layer: a decode-only step
+            # (drafts included), or any step whose tokens attend in one call (prompt rows too).
             c = self.config
-            unified = meta.token_context_lens is not None
             return self.kernels.decode_layers(
                 x,
                 self._decode_plan,
