@@ -49,8 +49,8 @@ class Sampler:
         raw_logprobs = None
         if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(raw, dim=-1)
-        if logits is raw:
-            logits = logits.clone()
+        if logits is raw and self._writes_rows(logits, requests):
+            logits = logits.clone()  # the caller's tensor stays as the model produced it
         tokens: list[int] = []
         logprobs: list[TokenLogprob | None] = []
         for i, request in enumerate(requests):
@@ -77,6 +77,13 @@ class Sampler:
             else:
                 logprobs.append(None)
         return tokens, logprobs
+
+    def _writes_rows(self, logits: torch.Tensor, requests: list[Request]) -> bool:
+        """Whether sampling these rows writes into ``logits``: penalties, min_tokens
+        masks, or the torch path of the batched draw (``sample_rows`` only reads)."""
+        if any(r.params.needs_penalties or self._masks_stop(r) for r in requests):
+            return True
+        return not (logits.device.type == "cpu" and logits.dtype == torch.float32 and _kernels() is not None)
 
     @staticmethod
     def _masks_stop(request: Request) -> bool:

@@ -924,21 +924,52 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
                    std::vector<int32_t>& order) {
   const float inv_t = 1.f / temperature;
   float mx = -INFINITY;
-  int64_t i0 = 0;
+  float sum = 0.f;
+  // The masses above each cutoff (top-p only): full vectors in lanes, then the
+  // tail from mass_tail on, one token at a time.
+  float mass[SAMPLE_CUTOFFS] = {};
+  int64_t mass_tail = 0;
 #ifdef EMBER_AVX512
   {
+    // Two passes over the logits: the max of x, then x again with e = exp(x - max),
+    // its sum and (top-p) the masses, all in one (the same arithmetic as
+    // exp_shifted_sum and one masked add per cutoff, in the same order).
     const __m512 vinv = _mm512_set1_ps(inv_t), lo = _mm512_set1_ps(-3.0e38f), hi = _mm512_set1_ps(3.0e38f);
+    // max(x, lo) returns lo for a NaN x (its second operand): NaN -> -3e38, as below.
+    auto clean = [&](__m512 raw) { return _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(raw, vinv), lo), hi); };
+    const int64_t full = v / 16 * 16;
+    const __mmask16 tail = static_cast<__mmask16>((1u << (v - full)) - 1);
     __m512 vmx = _mm512_set1_ps(-INFINITY);
-    for (; i0 + 16 <= v; i0 += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(logits + i0), vinv);
-      // max(x, lo) returns lo for a NaN x (its second operand): NaN -> -3e38, as below.
-      const __m512 clean = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-      _mm512_storeu_ps(e + i0, clean);
-      vmx = _mm512_max_ps(vmx, clean);
-    }
+    for (int64_t i = 0; i < full; i += 16) vmx = _mm512_max_ps(vmx, clean(_mm512_loadu_ps(logits + i)));
+    if (tail) vmx = _mm512_max_ps(vmx, _mm512_mask_blend_ps(tail, _mm512_set1_ps(-INFINITY), clean(_mm512_maskz_loadu_ps(tail, logits + full))));
     mx = _mm512_reduce_max_ps(vmx);
+    const __m512 vmx_all = _mm512_set1_ps(mx);
+    __m512 vsum = _mm512_setzero_ps(), vmass[SAMPLE_CUTOFFS];
+    for (int c = 0; c < SAMPLE_CUTOFFS; ++c) vmass[c] = _mm512_setzero_ps();
+    const bool masses = top_p < 1.f;
+    for (int64_t i = 0; i < full; i += 16) {
+      const __m512 ev = exp_ps(_mm512_sub_ps(clean(_mm512_loadu_ps(logits + i)), vmx_all));
+      _mm512_storeu_ps(e + i, ev);
+      vsum = _mm512_add_ps(vsum, ev);
+      if (masses) {
+        for (int c = 0; c < SAMPLE_CUTOFFS; ++c) {
+          const __mmask16 above = _mm512_cmp_ps_mask(ev, _mm512_set1_ps(SAMPLE_CUTOFF[c]), _CMP_GT_OQ);
+          vmass[c] = _mm512_mask_add_ps(vmass[c], above, vmass[c], ev);
+        }
+      }
+    }
+    if (tail) {
+      const __m512 ev = exp_ps(_mm512_sub_ps(clean(_mm512_maskz_loadu_ps(tail, logits + full)), vmx_all));
+      _mm512_mask_storeu_ps(e + full, tail, ev);
+      vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(tail, ev));
+    }
+    sum = _mm512_reduce_add_ps(vsum);
+    for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = _mm512_reduce_add_ps(vmass[c]);
+    mass_tail = full;
   }
-#elif defined(EMBER_AVX2)
+#else
+  int64_t i0 = 0;
+#ifdef EMBER_AVX2
   {
     const __m256 vinv = _mm256_set1_ps(inv_t), lo = _mm256_set1_ps(-3.0e38f), hi = _mm256_set1_ps(3.0e38f);
     __m256 vmx = _mm256_set1_ps(-INFINITY);
@@ -957,42 +988,28 @@ int64_t sample_row(const float* logits, int64_t v, float temperature, float top_
     e[i] = clean;
     mx = std::max(mx, clean);
   }
-  const float sum = exp_shifted_sum(e, v, mx);
+  sum = exp_shifted_sum(e, v, mx);
+  if (top_p < 1.f) {
+#ifdef EMBER_AVX2
+    __m256 vmass[SAMPLE_CUTOFFS];
+    for (int c = 0; c < SAMPLE_CUTOFFS; ++c) vmass[c] = _mm256_setzero_ps();
+    for (; mass_tail + 8 <= v; mass_tail += 8) {
+      const __m256 ev = _mm256_loadu_ps(e + mass_tail);
+      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) {
+        const __m256 above = _mm256_cmp_ps(ev, _mm256_set1_ps(SAMPLE_CUTOFF[c]), _CMP_GT_OQ);
+        vmass[c] = _mm256_add_ps(vmass[c], _mm256_and_ps(above, ev));
+      }
+    }
+    for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = hsum8(vmass[c]);
+#endif
+  }
+#endif
   int64_t kept = v;
   order.clear();
   if (top_p < 1.f) {
     const float need = top_p * sum;
-    // The highest cutoff whose tokens alone hold top_p of the mass (one pass for all of them).
-    float mass[SAMPLE_CUTOFFS] = {};
-    int64_t i0 = 0;
-#ifdef EMBER_AVX512
-    {
-      __m512 vmass[SAMPLE_CUTOFFS];
-      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) vmass[c] = _mm512_setzero_ps();
-      for (; i0 + 16 <= v; i0 += 16) {
-        const __m512 ev = _mm512_loadu_ps(e + i0);
-        for (int c = 0; c < SAMPLE_CUTOFFS; ++c) {
-          const __mmask16 above = _mm512_cmp_ps_mask(ev, _mm512_set1_ps(SAMPLE_CUTOFF[c]), _CMP_GT_OQ);
-          vmass[c] = _mm512_mask_add_ps(vmass[c], above, vmass[c], ev);
-        }
-      }
-      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = _mm512_reduce_add_ps(vmass[c]);
-    }
-#elif defined(EMBER_AVX2)
-    {
-      __m256 vmass[SAMPLE_CUTOFFS];
-      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) vmass[c] = _mm256_setzero_ps();
-      for (; i0 + 8 <= v; i0 += 8) {
-        const __m256 ev = _mm256_loadu_ps(e + i0);
-        for (int c = 0; c < SAMPLE_CUTOFFS; ++c) {
-          const __m256 above = _mm256_cmp_ps(ev, _mm256_set1_ps(SAMPLE_CUTOFF[c]), _CMP_GT_OQ);
-          vmass[c] = _mm256_add_ps(vmass[c], _mm256_and_ps(above, ev));
-        }
-      }
-      for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] = hsum8(vmass[c]);
-    }
-#endif
-    for (int64_t i = i0; i < v; ++i) {
+    // The highest cutoff whose tokens alone hold top_p of the mass.
+    for (int64_t i = mass_tail; i < v; ++i) {
       for (int c = 0; c < SAMPLE_CUTOFFS; ++c) mass[c] += e[i] > SAMPLE_CUTOFF[c] ? e[i] : 0.f;
     }
     int c = 0;
