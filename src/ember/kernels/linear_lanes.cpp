@@ -53,7 +53,6 @@
 
 using torch::Tensor;
 
-
 namespace {
 
 // From this many rows on, W8A16 runs on AMX tiles where the CPU has them
@@ -141,6 +140,8 @@ struct Int16Codes {
   void put(int64_t i, int16_t c) const { codes[i] = c; }
 #if defined(__AVX512F__)
   void put16(int64_t i, __m512i c) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), _mm512_cvtepi32_epi16(c)); }
+#elif defined(EMBER_AVX2)
+  void put8(int64_t i, __m128i c) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), c); }
 #endif
 };
 
@@ -157,6 +158,12 @@ struct SplitCodes {
   void put16(int64_t i, __m512i c) const {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + i), _mm512_cvtepi32_epi8(_mm512_srai_epi32(c, 8)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), _mm512_cvtepi32_epi8(_mm512_and_si512(c, _mm512_set1_epi32(255))));
+  }
+#elif defined(EMBER_AVX2)
+  void put8(int64_t i, __m128i c) const {  // AMX comes with AVX-512: never a hot path
+    alignas(16) int16_t codes[8];
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes), c);
+    for (int j = 0; j < 8; ++j) put(i + j, codes[j]);
   }
 #endif
 };
@@ -200,9 +207,7 @@ void quantize_row(const float* x, int64_t k, const Codes& out, float* scales) {
     for (; i + 8 <= g1; i += 8) {
       const __m256 q = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
       const __m256i ints = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(q, lo), hi));
-      alignas(16) int16_t packed[8];
-      _mm_store_si128(reinterpret_cast<__m128i*>(packed), _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1)));
-      for (int j = 0; j < 8; ++j) out.put(i + j, packed[j]);
+      out.put8(i, _mm_packs_epi32(_mm256_castsi256_si128(ints), _mm256_extracti128_si256(ints, 1)));
     }
 #endif
     for (; i < g1; ++i) out.put(i, quantize_one(x[i], inv));
