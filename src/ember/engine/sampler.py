@@ -83,7 +83,7 @@ class Sampler:
         masks, or the torch path of the batched draw (``sample_rows`` only reads)."""
         if any(r.params.needs_penalties or self._masks_stop(r) for r in requests):
             return True
-        return not (logits.device.type == "cpu" and logits.dtype == torch.float32 and _kernels() is not None)
+        return _kernels(logits) is None
 
     @staticmethod
     def _masks_stop(request: Request) -> bool:
@@ -134,7 +134,7 @@ def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
     tokens for one seed (same distribution). ``logits`` is the caller's scratch
     copy: it may be overwritten.
     """
-    kernels = _kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    kernels = _kernels(logits)
     if kernels is not None:
         params = [r.params for r in requests]
         per_row = torch.tensor([[p.temperature, p.top_p, p.min_p] for p in params], dtype=torch.float32).t().contiguous()
@@ -167,14 +167,17 @@ def _sample_batch(logits: torch.Tensor, requests: list[Request]) -> list[int]:
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)``, the same indices; on CPU one compiled pass per row
     (``argmax_rows``: torch's reduction took ~1.1 ms of a 16-row decode step)."""
-    kernels = _kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.shape[1] > 0 else None
+    kernels = _kernels(logits) if logits.shape[1] > 0 else None
     if kernels is None:
         return logits.argmax(dim=-1)
     return kernels.argmax_rows(logits.contiguous())
 
 
-def _kernels() -> Any:
-    """The compiled CPU kernels, or None (disabled or unbuildable): imported here, not at module load."""
+def _kernels(logits: torch.Tensor) -> Any:
+    """The compiled CPU kernels if they take ``logits`` (float32 on the CPU), else None
+    (also when disabled or unbuildable): imported here, not at module load."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return None
     from ember.kernels import cpu
 
     return cpu.load()

@@ -220,25 +220,7 @@ inline float hmax8(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
-// exp(x), 8 lanes: the polynomial of exp_ps, with 2^n built in the exponent
-// bits. x is clamped to [-87, 88.3] so that n stays a normal exponent; NaN
-// passes through (max/min return their second operand when one is NaN).
-inline __m256 exp8_ps(__m256 x) {
-  x = _mm256_max_ps(_mm256_set1_ps(-87.f), x);
-  x = _mm256_min_ps(_mm256_set1_ps(88.3f), x);
-  const __m256 y = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(y, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 f = _mm256_sub_ps(y, n);
-  __m256 p = _mm256_set1_ps(1.5353362e-4f);
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3398874e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6180916e-3f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5503406e-2f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022651e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718e-1f));
-  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
+using ember_simd::exp8_ps;
 #endif
 
 // row[t] = exp(row[t] - mx) in place, and their sum: in vector lanes, then
@@ -1411,10 +1393,11 @@ Tensor swiglu(Tensor x, const LinearWeights& w, at::ScalarType dtype) {
   return act;
 }
 
-// The whole decoder stack for a step without prompt chunks, in one call: per
-// layer the same kernels, in the same order, as model/llama.py's layer-by-layer
-// path. table_rows as in paged_attention: a decode verifying a draft has
-// several tokens on its block table row.
+// The whole decoder stack for a step, in one call: per layer the same kernels,
+// in the same order, as model/llama.py's layer-by-layer path. Decode rows,
+// drafts and prompt chunks alike when every token attends in one call:
+// table_rows and context_lens as in paged_attention (a draft or a prompt chunk
+// has several tokens on its block table row).
 Tensor decode_layers(Tensor x, const std::vector<LayerWeights>& layers, std::vector<Tensor> k_caches, std::vector<Tensor> v_caches,
                      Tensor cos, Tensor sin, Tensor positions, Tensor slots, Tensor block_tables, c10::optional<Tensor> table_rows,
                      Tensor context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, double eps) {
