@@ -61,6 +61,7 @@ SHAPES = {  # heads, kv heads, head_dim, block size
     "smollm": (9, 3, 64, 16),
     "wide-group": (16, 2, 128, 16),  # head_dim 128, 8 query heads per kv head
     "generic": (4, 2, 48, 32),  # no register-blocked kernel for head_dim 48: the plain loops
+    "head-dim-128": (6, 2, 128, 48),  # 3 query heads per kv head; 96-token spans (whole 48-token blocks)
 }
 
 

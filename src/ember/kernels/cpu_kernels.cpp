@@ -200,6 +200,10 @@ constexpr int64_t ATTENTION_SPAN = 64;
 constexpr int64_t MAX_SPAN = 1024;
 // Rows of one sequence that walk their spans together in a prompt (paged_attention).
 constexpr int64_t ATTENTION_TILE = 16;
+// Rows of one paged_attention call on one block table before that sequence's
+// keys are transposed for them (span_scores_transposed): one span's transpose
+// costs about what 3-4 rows' scores save.
+constexpr int64_t TRANSPOSED_MIN_ROWS = 4;
 
 #ifdef EMBER_AVX512
 using ember_simd::exp_ps;
@@ -494,6 +498,138 @@ void span_values_pair(const float* vc, const int64_t* rows, int64_t len_a, const
 }
 #endif
 
+#ifdef EMBER_AVX512
+// Scores of a prompt tile from its span's keys transposed in pieces of 32
+// tokens (transpose_span_keys' layout): sixteen tokens per vector, so no score needs a horizontal sum of its own
+// (span_scores spends more of its time on those sums than on its fmas).
+//
+// Bit for bit span_scores' arithmetic. There, lane j of a token's d holds
+// q[j] k[j], then fma(q[j + 16c], k[j + 16c]) for the chunks c in order, and
+// _mm512_reduce_add_ps (or reduce_add_8x16, the same tree) adds lanes j and
+// j + 8, then j and j + 4, then 0 + 2 and 1 + 3, then those two. Here p_j, one
+// vector over sixteen tokens, runs lane j's chain, and the p_j are added in
+// that tree: quad q of REDUCE_TREE sums to ((p_a + p_b) + (p_c + p_d)), and the
+// four quads to (quad 0 + quad 1) + (quad 2 + quad 3). Two token vectors share
+// each query broadcast; 2 x 4 x G accumulators must fit the 32 registers. Every
+// load's offset within a piece is a constant, and every loop is unrolled so the
+// accumulators are registers (GCC left the quad loop rolled, p[] in memory, and
+// the kernel slower than span_scores).
+constexpr int64_t KEYS_PIECE = 32;
+constexpr int REDUCE_TREE[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
+
+template <int G, int C>
+void span_scores_transposed(const float* qb, const float* kt, int64_t len, float scale, float* scores, float* max_out) {
+  static_assert(2 * 4 * G + 3 <= 32, "the accumulators must stay in registers");
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 vmax[G];
+  for (int g = 0; g < G; ++g) vmax[g] = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += KEYS_PIECE, kt += C * 16 * KEYS_PIECE) {
+    __m512 quads[2][G][4];
+    #pragma GCC unroll 16
+    for (int quad = 0; quad < 4; ++quad) {
+      __m512 p[2][G][4];
+      #pragma GCC unroll 16
+      for (int c = 0; c < C; ++c)
+        #pragma GCC unroll 16
+        for (int i = 0; i < 4; ++i) {
+          const int d = REDUCE_TREE[quad][i] + 16 * c;
+          const __m512 k0 = _mm512_loadu_ps(kt + d * KEYS_PIECE), k1 = _mm512_loadu_ps(kt + d * KEYS_PIECE + 16);
+          #pragma GCC unroll 16
+          for (int g = 0; g < G; ++g) {
+            const __m512 q = _mm512_set1_ps(qb[g * C * 16 + d]);
+            p[0][g][i] = c == 0 ? _mm512_mul_ps(q, k0) : _mm512_fmadd_ps(q, k0, p[0][g][i]);
+            p[1][g][i] = c == 0 ? _mm512_mul_ps(q, k1) : _mm512_fmadd_ps(q, k1, p[1][g][i]);
+          }
+        }
+      #pragma GCC unroll 16
+      for (int w = 0; w < 2; ++w)
+        #pragma GCC unroll 16
+        for (int g = 0; g < G; ++g)
+          quads[w][g][quad] = _mm512_add_ps(_mm512_add_ps(p[w][g][0], p[w][g][1]), _mm512_add_ps(p[w][g][2], p[w][g][3]));
+    }
+    for (int w = 0; w < 2 && t + 16 * w < len; ++w) {
+      const int64_t left = len - t - 16 * w;
+      for (int g = 0; g < G; ++g) {
+        const __m512 sum = _mm512_add_ps(_mm512_add_ps(quads[w][g][0], quads[w][g][1]), _mm512_add_ps(quads[w][g][2], quads[w][g][3]));
+        float* out = scores + g * len + t + 16 * w;
+        // A masked store only for the tail: softmax_span's loads cannot take
+        // their data from a masked store in flight, and waited for it.
+        const __m512 score = _mm512_mul_ps(sum, vscale);
+        if (left >= 16) {
+          _mm512_storeu_ps(out, score);
+          vmax[g] = _mm512_max_ps(score, vmax[g]);
+        } else {
+          const __mmask16 tail = static_cast<__mmask16>((1u << left) - 1);
+          _mm512_mask_storeu_ps(out, tail, score);
+          vmax[g] = _mm512_mask_max_ps(vmax[g], tail, score, vmax[g]);
+        }
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) max_out[g] = _mm512_reduce_max_ps(vmax[g]);
+}
+
+// r[j] = lane j of r[0..15]: a 16 x 16 float transpose in registers.
+inline void transpose16x16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+  }
+}
+
+// The span's keys transposed in pieces of KEYS_PIECE tokens: dimension d of key
+// t at kt[(t / KEYS_PIECE) * head_dim * KEYS_PIECE + d * KEYS_PIECE + t % KEYS_PIECE],
+// zeros after the len-th key up to the piece's end (span_scores_transposed reads
+// whole pieces). head_dim a multiple of 16; kt holds head_dim x len rounded up
+// to whole pieces.
+void transpose_span_keys(const float* kc, const int64_t* rows, int64_t len, int64_t head_dim, float* kt) {
+  const int64_t padded = (len + KEYS_PIECE - 1) / KEYS_PIECE * KEYS_PIECE;
+  for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+    float* piece = kt + (t0 / KEYS_PIECE) * head_dim * KEYS_PIECE + t0 % KEYS_PIECE;
+    for (int64_t i = 0; i < 16; ++i)
+      if (t0 + 16 + i < len) prefetch_row(kc + rows[t0 + 16 + i], head_dim);
+    for (int64_t c = 0; c < head_dim; c += 16) {
+      __m512 r[16];
+      for (int64_t i = 0; i < 16; ++i) r[i] = t0 + i < len ? _mm512_loadu_ps(kc + rows[t0 + i] + c) : _mm512_setzero_ps();
+      transpose16x16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(piece + (c + j) * KEYS_PIECE, r[j]);
+    }
+  }
+}
+
+using TransposedScoresFn = void (*)(const float*, const float*, int64_t, float, float*, float*);
+
+// The transposed-keys scores for this shape, if there are some (head_dim 64 or 128, group <= 3).
+TransposedScoresFn transposed_scores_kernel(int64_t group, int64_t head_dim) {
+  if (head_dim == 64 && group == 1) return span_scores_transposed<1, 4>;
+  if (head_dim == 64 && group == 2) return span_scores_transposed<2, 4>;
+  if (head_dim == 64 && group == 3) return span_scores_transposed<3, 4>;
+  if (head_dim == 128 && group == 1) return span_scores_transposed<1, 8>;
+  if (head_dim == 128 && group == 2) return span_scores_transposed<2, 8>;
+  if (head_dim == 128 && group == 3) return span_scores_transposed<3, 8>;
+  return nullptr;
+}
+#endif
+
 using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, float, float*, bool);
 using ValuesFn = void (*)(const float*, const int64_t*, int64_t, const float*, float*, bool);
 
@@ -534,6 +670,108 @@ void span_rows(const int64_t* table, int64_t begin, int64_t end, int64_t kv_offs
   }
 }
 
+#ifdef EMBER_AVX512
+// One tile of a many-row paged_attention call: its block table, how many rows
+// of the call share that table, and the longest context among them.
+struct TileTable {
+  const int64_t* table;
+  int64_t rows_on_table, longest;
+};
+
+// The context keys of the sequences that many rows of one paged_attention call
+// attend to (a prompt chunk's), transposed span by span once per call in
+// transpose_span_keys' layout and shared by all their tiles (transposing per
+// tile and span cost a third of what the transposed scores save).
+struct TransposedKeys {
+  int64_t piece_floats = 0;         // per (span, kv head): head_dim x span_len rounded up to whole pieces
+  int64_t num_kv_heads = 0;
+  std::vector<int64_t> first_span;  // per tile: its table's first span in keys, or -1 (not transposed)
+  std::vector<float> keys;
+
+  // Span i's keys for kv head kv_head of the tile's sequence, or nullptr.
+  const float* span(int64_t tile, int64_t i, int64_t kv_head) const {
+    if (first_span[tile] < 0) return nullptr;
+    return keys.data() + ((first_span[tile] + i) * num_kv_heads + kv_head) * piece_floats;
+  }
+};
+
+// Transposes the keys of every table that at least TRANSPOSED_MIN_ROWS rows
+// share (fewer would not repay it), up to its longest row's context.
+TransposedKeys transpose_tile_keys(const std::vector<TileTable>& tiles, const float* kc, int64_t num_kv_heads, int64_t head_dim,
+                                   int64_t block_size, int64_t span_len) {
+  TransposedKeys out;
+  out.num_kv_heads = num_kv_heads;
+  out.piece_floats = head_dim * ((span_len + KEYS_PIECE - 1) / KEYS_PIECE * KEYS_PIECE);
+  out.first_span.assign(tiles.size(), -1);
+  struct Work {
+    const int64_t* table;
+    int64_t span, len;  // the span's index and its tokens
+  };
+  std::vector<Work> work;  // one per transposed span, each table's in order
+  for (size_t t = 0; t < tiles.size(); ++t) {
+    if (tiles[t].rows_on_table < TRANSPOSED_MIN_ROWS) continue;
+    for (size_t u = 0; u < t && out.first_span[t] < 0; ++u)
+      if (tiles[u].table == tiles[t].table) out.first_span[t] = out.first_span[u];
+    if (out.first_span[t] >= 0) continue;
+    out.first_span[t] = static_cast<int64_t>(work.size());
+    for (int64_t begin = 0, i = 0; begin < tiles[t].longest; begin += span_len, ++i)
+      work.push_back({tiles[t].table, i, std::min(tiles[t].longest - begin, span_len)});
+  }
+  out.keys.resize(work.size() * num_kv_heads * out.piece_floats);
+  const int64_t kv_width = num_kv_heads * head_dim;
+  at::parallel_for(0, static_cast<int64_t>(work.size()) * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::array<int64_t, MAX_SPAN> rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const Work& w = work[item / num_kv_heads];
+      const int64_t kvh = item % num_kv_heads;
+      span_rows(w.table, w.span * span_len, w.span * span_len + w.len, kvh * head_dim, kv_width, block_size, rows.data());
+      transpose_span_keys(kc, rows.data(), w.len, head_dim, out.keys.data() + item * out.piece_floats);
+    }
+  });
+  return out;
+}
+#endif
+
+// Per head of the group, given m = the max of its span's scores: l = sum of
+// exp(score - m), the scores left as exp(score - m). Every way of computing a
+// span's scores ends here (a max is exact: any order finds the same m).
+__attribute__((noinline)) void exp_span(float* scores, int64_t len, int64_t group, const float* m, float* l_out) {
+  for (int64_t g = 0; g < group; ++g) l_out[g] = exp_shifted_sum(scores + g * len, len, m[g]);
+}
+
+// Per head of the group: m = max of its span's scores, then exp_span.
+__attribute__((noinline)) void softmax_span(float* scores, int64_t len, int64_t group, float* m_out, float* l_out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * len;
+    float mx = row[0];
+    int64_t t0 = 1;
+#ifdef EMBER_AVX512
+    // The max is exact in any order: 16 (or 8) lanes, then across them (one
+    // scalar chain of dependent max instructions was half of this function's
+    // time); with AVX-512 the tail is a masked vector too.
+    {
+      __m512 vmx = _mm512_set1_ps(mx);
+      for (; t0 + 16 <= len; t0 += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(row + t0), vmx);
+      if (t0 < len) {
+        const __mmask16 tail = static_cast<__mmask16>((1u << (len - t0)) - 1);
+        vmx = _mm512_mask_max_ps(vmx, tail, _mm512_maskz_loadu_ps(tail, row + t0), vmx);
+        t0 = len;
+      }
+      mx = _mm512_reduce_max_ps(vmx);
+    }
+#elif defined(EMBER_AVX2)
+    {
+      __m256 vmx = _mm256_set1_ps(mx);
+      for (; t0 + 8 <= len; t0 += 8) vmx = _mm256_max_ps(_mm256_loadu_ps(row + t0), vmx);
+      mx = hmax8(vmx);
+    }
+#endif
+    for (int64_t t = t0; t < len; ++t) mx = std::max(mx, row[t]);
+    m_out[g] = mx;
+  }
+  exp_span(scores, len, group, m_out, l_out);
+}
+
 // The first half of a span: scores = q.k * scale for the group's heads, then,
 // per head, m = max and l = sum exp(score - m), the scores left as exp(score - m).
 // ``prefetch`` asks for the span's keys ahead; false when an earlier row of the
@@ -558,30 +796,7 @@ __attribute__((noinline)) void score_span(const float* qb, const float* kc, cons
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* row = scores + g * len;
-    float mx = row[0];
-    int64_t t0 = 1;
-#ifdef EMBER_AVX512
-    // The max is exact in any order: 16 (or 8) lanes, then across them (one
-    // scalar chain of dependent max instructions was half of this function's time).
-    {
-      __m512 vmx = _mm512_set1_ps(mx);
-      for (; t0 + 16 <= len; t0 += 16) vmx = _mm512_max_ps(_mm512_loadu_ps(row + t0), vmx);
-      mx = _mm512_reduce_max_ps(vmx);
-    }
-#elif defined(EMBER_AVX2)
-    {
-      __m256 vmx = _mm256_set1_ps(mx);
-      for (; t0 + 8 <= len; t0 += 8) vmx = _mm256_max_ps(_mm256_loadu_ps(row + t0), vmx);
-      mx = hmax8(vmx);
-    }
-#endif
-    for (int64_t t = t0; t < len; ++t) mx = std::max(mx, row[t]);
-    const float sum = exp_shifted_sum(row, len, mx);
-    m_out[g] = mx;
-    l_out[g] = sum;
-  }
+  softmax_span(scores, len, group, m_out, l_out);
 }
 
 // The second half: acc (group, Hd) = sum over the span's tokens of p_t v_t,
@@ -743,6 +958,24 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
       const int64_t tiles = static_cast<int64_t>(tile_start.size());
       tile_start.push_back(batch);
       const int64_t tile_tasks = tiles * num_kv_heads;
+#ifdef EMBER_AVX512
+      const TransposedScoresFn transposed_scores = transposed_scores_kernel(group, head_dim);
+      TransposedKeys keys_t;
+      if (transposed_scores) {
+        std::vector<TileTable> tile_tables(tiles);
+        for (int64_t t = 0; t < tiles; ++t) {
+          tile_tables[t] = {table_of(tile_start[t]), 0, 0};
+          for (int64_t b = tile_start[t]; b < tile_start[t + 1]; ++b) tile_tables[t].longest = std::max(tile_tables[t].longest, lens[b]);
+        }
+        for (int64_t t = 0; t < tiles; ++t)
+          for (int64_t u = 0; u < tiles; ++u)
+            if (tile_tables[u].table == tile_tables[t].table) {
+              tile_tables[t].rows_on_table += tile_start[u + 1] - tile_start[u];
+              tile_tables[t].longest = std::max(tile_tables[t].longest, tile_tables[u].longest);
+            }
+        keys_t = transpose_tile_keys(tile_tables, kc, num_kv_heads, head_dim, block_size, span_len);
+      }
+#endif
       at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scores(ATTENTION_TILE * group * span_len), partial;
         std::array<int64_t, MAX_SPAN> span_offsets;
@@ -776,11 +1009,24 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
             // last row (in a prompt chunk the longest) goes first and asks for the
             // span's rows ahead; the others find them in L1, where asking again
             // only took load slots (1.09x without it).
-            for (int64_t r = rows - 1; r >= 0; --r) {
-              if (i >= first[r + 1] - first[r]) continue;
-              float* part = part_of(r);
-              score_span(qp + ((b0 + r) * num_heads + kvh * group) * head_dim, kc, span_offsets.data(), len_of(r), group, head_dim, sc,
-                         scores_of(r), part + group * head_dim, part + group * (head_dim + 1), r == rows - 1);
+#ifdef EMBER_AVX512
+            // The transposed keys where this sequence has them (span_scores_transposed: the same bits).
+            if (const float* kt = transposed_scores ? keys_t.span(tile, i, kvh) : nullptr) {
+              for (int64_t r = rows - 1; r >= 0; --r) {
+                if (i >= first[r + 1] - first[r]) continue;
+                float* part = part_of(r);
+                transposed_scores(qp + ((b0 + r) * num_heads + kvh * group) * head_dim, kt, len_of(r), sc, scores_of(r), part + group * head_dim);
+                exp_span(scores_of(r), len_of(r), group, part + group * head_dim, part + group * (head_dim + 1));
+              }
+            } else
+#endif
+            {
+              for (int64_t r = rows - 1; r >= 0; --r) {
+                if (i >= first[r + 1] - first[r]) continue;
+                float* part = part_of(r);
+                score_span(qp + ((b0 + r) * num_heads + kvh * group) * head_dim, kc, span_offsets.data(), len_of(r), group, head_dim,
+                           sc, scores_of(r), part + group * head_dim, part + group * (head_dim + 1), r == rows - 1);
+              }
             }
             // The values two rows at a time where the shape has a pair kernel.
             int64_t waiting = -1;  // a row that reaches this span, not yet paired
