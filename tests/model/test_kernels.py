@@ -141,16 +141,18 @@ def test_prompt_rows_attend_causally_and_equal_their_decode(k, shape):
 
 
 def test_prompt_rows_of_several_sequences_in_one_call_equal_each_alone(k):
-    """One call holding two prompt chunks on different tables (rows of a sequence walk
-    their spans together in tiles, which end where a sequence does) and decode rows:
+    """One call holding prompt chunks on different tables (rows of a sequence walk
+    their spans together in tiles, which end where a sequence does; two of the
+    sequences have enough rows for their keys to be transposed) and decode rows:
     every row has the bits it has alone, and the call spreads as many tasks as it has."""
     torch.manual_seed(3)
     h, kv, hd, bs = SHAPES["smollm"]
-    k_cache, v_cache = torch.randn(64 * bs, kv, hd), torch.randn(64 * bs, kv, hd)
-    tables = torch.arange(1, 61).reshape(3, 20)
-    # 21 rows of sequence 0 (positions 180..200), 3 decode rows (sequence 2, 1, 2), 30 rows of sequence 1.
-    table_rows = torch.tensor([0] * 21 + [2, 1, 2] + [1] * 30)
-    lens = torch.cat([torch.arange(181, 202), torch.tensor([77, 5, 300]), torch.arange(1, 31)])
+    k_cache, v_cache = torch.randn(80 * bs, kv, hd), torch.randn(80 * bs, kv, hd)
+    tables = torch.arange(1, 81).reshape(4, 20)
+    # 141 rows of sequence 0 (positions 160..300), 3 decode rows (sequence 2, 1, 2),
+    # 130 rows of sequence 1 (positions 0..129), 21 rows of sequence 3 (positions 180..200).
+    table_rows = torch.tensor([0] * 141 + [2, 1, 2] + [1] * 130 + [3] * 21)
+    lens = torch.cat([torch.arange(161, 302), torch.tensor([77, 5, 300]), torch.arange(1, 131), torch.arange(181, 202)])
     q = torch.randn(len(lens), h, hd)
     together = torch.empty(len(lens), h * hd)
     k.paged_attention(together, q, k_cache, v_cache, tables, table_rows, lens, bs, 0.125)
