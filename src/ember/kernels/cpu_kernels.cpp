@@ -16,7 +16,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <memory>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -676,11 +678,11 @@ void span_rows(const int64_t* table, int64_t begin, int64_t end, int64_t kv_offs
 }
 
 #ifdef EMBER_AVX512
-// One tile of a many-row paged_attention call: its block table, how many rows
-// of the call share that table, and the longest context among them.
+// One tile of a many-row paged_attention call: its block table, its rows and
+// their longest context.
 struct TileTable {
   const int64_t* table;
-  int64_t rows_on_table, longest;
+  int64_t rows, longest;
 };
 
 // The context keys of the sequences that many rows of one paged_attention call
@@ -700,8 +702,8 @@ struct TransposedKeys {
   }
 };
 
-// Transposes the keys of every table that at least TRANSPOSED_MIN_ROWS rows
-// share (fewer would not repay it), up to its longest row's context.
+// Transposes the keys of every table that at least TRANSPOSED_MIN_ROWS rows of
+// the call share (fewer would not repay it), up to its longest row's context.
 TransposedKeys transpose_tile_keys(const std::vector<TileTable>& tiles, const float* kc, int64_t num_kv_heads, int64_t head_dim,
                                    int64_t block_size, int64_t span_len) {
   TransposedKeys out;
@@ -712,15 +714,22 @@ TransposedKeys transpose_tile_keys(const std::vector<TileTable>& tiles, const fl
     const int64_t* table;
     int64_t span, len;  // the span's index and its tokens
   };
+  // The tiles of each table side by side (a table's rows may come in several
+  // runs): sorted, not compared pairwise, since a decode batch has a tile a row.
+  std::vector<size_t> order(tiles.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return std::less<const int64_t*>()(tiles[a].table, tiles[b].table); });
   std::vector<Work> work;  // one per transposed span, each table's in order
-  for (size_t t = 0; t < tiles.size(); ++t) {
-    if (tiles[t].rows_on_table < TRANSPOSED_MIN_ROWS) continue;
-    for (size_t u = 0; u < t && out.first_span[t] < 0; ++u)
-      if (tiles[u].table == tiles[t].table) out.first_span[t] = out.first_span[u];
-    if (out.first_span[t] >= 0) continue;
-    out.first_span[t] = static_cast<int64_t>(work.size());
-    for (int64_t begin = 0, i = 0; begin < tiles[t].longest; begin += span_len, ++i)
-      work.push_back({tiles[t].table, i, std::min(tiles[t].longest - begin, span_len)});
+  for (size_t first = 0, last = 0; first < order.size(); first = last) {
+    const int64_t* table = tiles[order[first]].table;
+    int64_t rows = 0, longest = 0;
+    for (last = first; last < order.size() && tiles[order[last]].table == table; ++last) {
+      rows += tiles[order[last]].rows;
+      longest = std::max(longest, tiles[order[last]].longest);
+    }
+    if (rows < TRANSPOSED_MIN_ROWS) continue;
+    for (size_t j = first; j < last; ++j) out.first_span[order[j]] = static_cast<int64_t>(work.size());
+    for (int64_t begin = 0, i = 0; begin < longest; begin += span_len, ++i) work.push_back({table, i, std::min(longest - begin, span_len)});
   }
   out.keys.reset(new float[work.size() * num_kv_heads * out.piece_floats]);
   const int64_t kv_width = num_kv_heads * head_dim;
@@ -966,19 +975,15 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
 #ifdef EMBER_AVX512
       const TransposedScoresFn transposed_scores = transposed_scores_kernel(group, head_dim);
       TransposedKeys keys_t;
-      if (transposed_scores) {
+      if (transposed_scores && batch >= TRANSPOSED_MIN_ROWS) {
         std::vector<TileTable> tile_tables(tiles);
         for (int64_t t = 0; t < tiles; ++t) {
-          tile_tables[t] = {table_of(tile_start[t]), 0, 0};
+          tile_tables[t] = {table_of(tile_start[t]), tile_start[t + 1] - tile_start[t], 0};
           for (int64_t b = tile_start[t]; b < tile_start[t + 1]; ++b) tile_tables[t].longest = std::max(tile_tables[t].longest, lens[b]);
         }
-        for (int64_t t = 0; t < tiles; ++t)
-          for (int64_t u = 0; u < tiles; ++u)
-            if (tile_tables[u].table == tile_tables[t].table) {
-              tile_tables[t].rows_on_table += tile_start[u + 1] - tile_start[u];
-              tile_tables[t].longest = std::max(tile_tables[t].longest, tile_tables[u].longest);
-            }
         keys_t = transpose_tile_keys(tile_tables, kc, num_kv_heads, head_dim, block_size, span_len);
+      } else {
+        keys_t.first_span.assign(tiles, -1);
       }
 #endif
       at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -1016,7 +1021,7 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
             // only took load slots (1.09x without it).
 #ifdef EMBER_AVX512
             // The transposed keys where this sequence has them (span_scores_transposed: the same bits).
-            if (const float* kt = transposed_scores ? keys_t.span(tile, i, kvh) : nullptr) {
+            if (const float* kt = keys_t.span(tile, i, kvh)) {
               for (int64_t r = rows - 1; r >= 0; --r) {
                 if (i >= first[r + 1] - first[r]) continue;
                 float* part = part_of(r);
