@@ -522,6 +522,8 @@ void span_values_pair(const float* vc, const int64_t* rows, int64_t len_a, const
 // accumulators are registers (GCC left the quad loop rolled, p[] in memory, and
 // the kernel slower than span_scores).
 constexpr int64_t KEYS_PIECE = 32;
+// Tokens of a span's transposed keys, len rounded up to whole pieces.
+constexpr int64_t keys_padded(int64_t len) { return (len + KEYS_PIECE - 1) / KEYS_PIECE * KEYS_PIECE; }
 constexpr int REDUCE_TREE[4][4] = {{0, 8, 4, 12}, {2, 10, 6, 14}, {1, 9, 5, 13}, {3, 11, 7, 15}};
 
 template <int G, int C>
@@ -609,8 +611,7 @@ inline void transpose16x16(__m512 r[16]) {
 // whole pieces). head_dim a multiple of 16; kt holds head_dim x len rounded up
 // to whole pieces.
 void transpose_span_keys(const float* kc, const int64_t* rows, int64_t len, int64_t head_dim, float* kt) {
-  const int64_t padded = (len + KEYS_PIECE - 1) / KEYS_PIECE * KEYS_PIECE;
-  for (int64_t t0 = 0; t0 < padded; t0 += 16) {
+  for (int64_t t0 = 0; t0 < keys_padded(len); t0 += 16) {
     float* piece = kt + (t0 / KEYS_PIECE) * head_dim * KEYS_PIECE + t0 % KEYS_PIECE;
     for (int64_t i = 0; i < 16; ++i)
       if (t0 + 16 + i < len) prefetch_row(kc + rows[t0 + 16 + i], head_dim);
@@ -692,12 +693,12 @@ struct TileTable {
 struct TransposedKeys {
   int64_t piece_floats = 0;         // per (span, kv head): head_dim x span_len rounded up to whole pieces
   int64_t num_kv_heads = 0;
-  std::vector<int64_t> first_span;  // per tile: its table's first span in keys, or -1 (not transposed)
+  std::vector<int64_t> first_span;  // per tile: its table's first span in keys, or -1; empty: none transposed
   std::unique_ptr<float[]> keys;  // uninitialised: transpose_span_keys writes every float read
 
   // Span i's keys for kv head kv_head of the tile's sequence, or nullptr.
   const float* span(int64_t tile, int64_t i, int64_t kv_head) const {
-    if (first_span[tile] < 0) return nullptr;
+    if (first_span.empty() || first_span[tile] < 0) return nullptr;
     return keys.get() + ((first_span[tile] + i) * num_kv_heads + kv_head) * piece_floats;
   }
 };
@@ -708,7 +709,7 @@ TransposedKeys transpose_tile_keys(const std::vector<TileTable>& tiles, const fl
                                    int64_t block_size, int64_t span_len) {
   TransposedKeys out;
   out.num_kv_heads = num_kv_heads;
-  out.piece_floats = head_dim * ((span_len + KEYS_PIECE - 1) / KEYS_PIECE * KEYS_PIECE);
+  out.piece_floats = head_dim * keys_padded(span_len);
   out.first_span.assign(tiles.size(), -1);
   struct Work {
     const int64_t* table;
@@ -982,8 +983,6 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
           for (int64_t b = tile_start[t]; b < tile_start[t + 1]; ++b) tile_tables[t].longest = std::max(tile_tables[t].longest, lens[b]);
         }
         keys_t = transpose_tile_keys(tile_tables, kc, num_kv_heads, head_dim, block_size, span_len);
-      } else {
-        keys_t.first_span.assign(tiles, -1);
       }
 #endif
       at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
@@ -1019,24 +1018,24 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
             // last row (in a prompt chunk the longest) goes first and asks for the
             // span's rows ahead; the others find them in L1, where asking again
             // only took load slots (1.09x without it).
+            // Where this sequence's keys are transposed, span_scores_transposed
+            // (the same bits) and exp_span; otherwise score_span.
 #ifdef EMBER_AVX512
-            // The transposed keys where this sequence has them (span_scores_transposed: the same bits).
-            if (const float* kt = keys_t.span(tile, i, kvh)) {
-              for (int64_t r = rows - 1; r >= 0; --r) {
-                if (i >= first[r + 1] - first[r]) continue;
-                float* part = part_of(r);
-                transposed_scores(qp + ((b0 + r) * num_heads + kvh * group) * head_dim, kt, len_of(r), sc, scores_of(r), part + group * head_dim);
-                exp_span(scores_of(r), len_of(r), group, part + group * head_dim, part + group * (head_dim + 1));
-              }
-            } else
+            const float* kt = keys_t.span(tile, i, kvh);
 #endif
-            {
-              for (int64_t r = rows - 1; r >= 0; --r) {
-                if (i >= first[r + 1] - first[r]) continue;
-                float* part = part_of(r);
-                score_span(qp + ((b0 + r) * num_heads + kvh * group) * head_dim, kc, span_offsets.data(), len_of(r), group, head_dim,
-                           sc, scores_of(r), part + group * head_dim, part + group * (head_dim + 1), r == rows - 1);
+            for (int64_t r = rows - 1; r >= 0; --r) {
+              if (i >= first[r + 1] - first[r]) continue;
+              const float* qr = qp + ((b0 + r) * num_heads + kvh * group) * head_dim;
+              float* m = part_of(r) + group * head_dim;
+              float* l = m + group;
+#ifdef EMBER_AVX512
+              if (kt != nullptr) {
+                transposed_scores(qr, kt, len_of(r), sc, scores_of(r), m);
+                exp_span(scores_of(r), len_of(r), group, m, l);
+                continue;
               }
+#endif
+              score_span(qr, kc, span_offsets.data(), len_of(r), group, head_dim, sc, scores_of(r), m, l, r == rows - 1);
             }
             // The values two rows at a time where the shape has a pair kernel.
             int64_t waiting = -1;  // a row that reaches this span, not yet paired
