@@ -186,6 +186,20 @@ def test_lane_linears_match_the_dequantized_matmul(k, in_features):
     assert torch.equal(zeros, torch.zeros_like(zeros))
 
 
+@pytest.mark.parametrize("count", [1, 16, 200])  # 200: rows over several threads' tasks
+def test_lanes_rows_are_the_weight_rows_times_their_scales(k, count):
+    """The embedding lookup of a tied table: row ``id`` of the lanes layout, dequantized, to the bit."""
+    _, q, scale, lanes8, _ = _lane_weights(64, 600, 3)
+    ids = torch.randint(0, 64, (count,))
+    ids[0] = 63  # the last lane of the last block
+    got = k.lanes_rows(lanes8, scale, ids)
+    assert torch.equal(got.view(torch.int32), (q[ids].float() * scale[ids, None]).view(torch.int32))
+    with pytest.raises(RuntimeError, match="out of range"):
+        k.lanes_rows(lanes8, scale, torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="lanes_rows"):
+        k.lanes_rows(q, scale, ids)  # rows layout, not lanes
+
+
 # Inputs per activation scale in linear_lanes.cpp's W8A16.
 W8A16_GROUP = 256
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -223,11 +223,9 @@ class Int8Linear(KernelLinear):
         A tied embedding table is the LM head's weight: looking tokens up here
         keeps one int8 copy of it instead of a float32 table beside it.
         """
-        if self.has_lanes:
-            blocks, pairs = self.qweight.shape[0], self.qweight.shape[1]
-            q = self.qweight.view(blocks, pairs, LANES, 2)[ids // LANES, :, ids % LANES, :].reshape(len(ids), 2 * pairs)
-        else:
-            q = self.qweight[ids]
+        if self.has_lanes:  # lanes exist only with the kernels: one call, the same bits as q * scale
+            return cast(torch.Tensor, self.kernels.lanes_rows(self.qweight, self.scale, ids))
+        q = self.qweight[ids]
         return q.float() * self.scale[ids, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
