@@ -260,7 +260,12 @@ class LLMEngine:
             return outputs
         started = time.perf_counter()
         scheduled_at = self.clock()  # "scheduled" is when its first step began, not when it ended
-        result = self.runner.execute(sched)
+        try:
+            result = self.runner.execute(sched)
+        except BaseException:
+            self.kv.retract_step()  # blocks published for this step were never written
+            raise
+        self.kv.end_step()
         self.stats.busy_seconds += time.perf_counter() - started
         self.stats.steps += 1
         now = self.clock()

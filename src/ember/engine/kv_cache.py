@@ -39,6 +39,9 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, config.block_size)
         self._blocks: dict[str, list[Block]] = {}
         self._num_registered: dict[str, int] = {}
+        # Blocks published by ``publish_scheduled`` whose step has not ended: (request id,
+        # its registered count before, the blocks). ``end_step`` keeps them, ``retract_step`` drops them.
+        self._published: list[tuple[str, int, list[Block]]] = []
         # Counters (tokens): how much prompt work the prefix cache saved, by tier.
         self.prefix_queries_tokens = 0
         self.prefix_hit_tokens: dict[str, int] = {}
@@ -173,18 +176,56 @@ class KVCacheManager:
 
     def register_computed_blocks(self, request: Request) -> None:
         """Publish the request's newly full and computed blocks as prefix cache."""
+        self._register(request, request.num_computed_tokens)
+
+    def publish_scheduled(self, request: Request, num_new_tokens: int) -> None:
+        """Publish, before the step runs, the blocks this step's ``num_new_tokens`` will fill.
+
+        In-step prefix sharing: a request admitted later in the same step finds
+        them and computes only what follows (16 prompts with one system prompt,
+        arriving together, compute its blocks once). Sound because of an
+        invariant of the model's forward pass: in every layer, every scheduled
+        token's K/V is written to the cache before any token of that layer
+        attends, so a block is complete wherever this step reads it. The bits
+        are those the sharer would have computed itself (the kernels give a
+        token's K/V the same bits whatever the batch or chunk). Draft tokens are
+        never published (their K/V holds only if accepted). Until
+        ``end_step``, ``retract_step`` takes the blocks back (a failed step).
+        """
+        done = self._num_registered.get(request.request_id, 0)
+        if self._register(request, request.num_computed_tokens + num_new_tokens):
+            blocks = self._blocks[request.request_id][done : self._num_registered[request.request_id]]
+            self._published.append((request.request_id, done, blocks))
+
+    def end_step(self) -> None:
+        """The step ran: what ``publish_scheduled`` published is computed."""
+        self._published.clear()
+
+    def retract_step(self) -> None:
+        """The step failed: unpublish its blocks, whose KV may never have been written."""
+        for request_id, done, blocks in reversed(self._published):
+            for block in blocks:
+                if block.block_hash is not None:
+                    self.pool.drop_hash(block.block_hash)
+            if request_id in self._num_registered:
+                self._num_registered[request_id] = done
+        self._published.clear()
+
+    def _register(self, request: Request, num_tokens: int) -> bool:
+        """Cache the request's full blocks among its first ``num_tokens``; True if any was new."""
         if not self.enable_prefix_caching:
-            return
-        num_full = request.num_computed_tokens // self.block_size
+            return False
+        num_full = num_tokens // self.block_size
         done = self._num_registered.get(request.request_id, 0)
         if num_full <= done:
-            return
+            return False
         hashes = self.full_block_hashes(request)
         blocks = self._blocks[request.request_id]
         bs = self.block_size
         for i in range(done, num_full):
             self.pool.cache(blocks[i], hashes[i], request.token_ids[i * bs : (i + 1) * bs])
         self._num_registered[request.request_id] = num_full
+        return True
 
     def free(self, request: Request) -> None:
         """Release every block of the request (tail first; see ``BlockPool.release``)."""

@@ -9,6 +9,10 @@ Each step the scheduler fills a budget of ``max_num_batched_tokens``:
 3. waiting requests are admitted in (priority, arrival) order, each reusing its
    longest cached prefix and computing at most the budget that is left.
 
+Every scheduled request publishes the blocks this step will fill at once
+(``KVCacheManager.publish_scheduled``), so requests admitted together share a
+prefix within the step: the first computes it, the others only what follows.
+
 A long prompt therefore delays running streams by at most one chunk per step.
 When the pool runs out of blocks the lowest-priority, most recently admitted
 running request is preempted: its blocks are freed and it goes back to the
@@ -121,6 +125,7 @@ class Scheduler:
             item = ScheduledRequest(request, n, drafted)
             (out.decodes if n == 1 and request in decodes else out.prefills).append(item)
             scheduled.add(request.request_id)
+            self.kv.publish_scheduled(request, n)
             budget -= n + drafted
 
         # Admit waiting requests, unless this step already had to preempt.
@@ -138,6 +143,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.prefills.append(ScheduledRequest(request, n))
+            self.kv.publish_scheduled(request, n)  # the next admissions of this step may share them
             budget -= n
         return out
 
