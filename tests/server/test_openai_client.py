@@ -7,7 +7,7 @@ import asyncio
 import openai
 import pytest
 
-from server_process import ServerProcess
+from server_process import ServerProcess, metric_value
 
 pytestmark = pytest.mark.timeout(180)
 HELLO = [{"role": "user", "content": "What is the capital of France?"}]
@@ -38,6 +38,37 @@ def test_chat_streaming_with_usage(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
     # Ember's extension rides in prompt_tokens_details; the openai client keeps it.
     assert chunks[-1].usage.prompt_tokens_details.cache_tier in ("hot", "warm", "cold")
+
+
+def test_n_streamed_choices_start_together_and_share_the_prompt(server, client):
+    """n=3, streamed: every choice streams to its own finish; the copies, submitted with
+    choice 0, reference its prompt blocks instead of computing them."""
+    prompt = [{"role": "user", "content": "List three rivers of Europe and say which sea each reaches. " * 4}]
+    before = metric_value(server.metrics(), "llm_prefix_cache_hits_total")
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=prompt,
+        n=3,
+        temperature=0.8,
+        seed=5,
+        max_tokens=12,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    texts, finishes, usage = {0: "", 1: "", 2: ""}, {}, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    hits = metric_value(server.metrics(), "llm_prefix_cache_hits_total") - before
+    assert sorted(finishes) == [0, 1, 2] and all(texts.values())
+    assert usage is not None and usage.completion_tokens == 3 * 12
+    # Each copy finds every full 16-token block of the prompt but the last token's.
+    full_blocks = (usage.prompt_tokens - 1) // 16 * 16
+    assert hits >= 2 * full_blocks, (hits, usage.prompt_tokens)
 
 
 def test_completions_endpoint(client):

@@ -316,33 +316,26 @@ def prepare_completion(state: ServerState, caller: Caller, body: CompletionReque
 async def run(state: ServerState, prepared: PreparedRequest) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Generate every choice, recording latency metrics; yields (choice index, output) as they come.
 
-    With n > 1, choice 0 starts alone and the other copies are submitted once
-    it has produced its first token: by then its prompt blocks are in the
-    prefix cache, so the copies compute only the prompt's last partial block.
+    With n > 1, every choice is submitted at once, choice 0 first: the copies
+    are admitted in the step that schedules choice 0's prompt or in a later one,
+    and either way reference its prompt blocks instead of computing them
+    (in-step prefix sharing, ``KVCacheManager.publish_scheduled``).
     """
     if prepared.n == 1:
         async for out in _run_choice(state, prepared, 0):
             yield 0, out
         return
     results: asyncio.Queue[tuple[int, RequestOutput | Exception | None]] = asyncio.Queue()
-    prompt_cached = asyncio.Event()
 
     async def pump(index: int) -> None:
         try:
             async for out in _run_choice(state, prepared, index):
-                prompt_cached.set()
                 await results.put((index, out))
             await results.put((index, None))
         except Exception as exc:  # handed to the consumer, which raises it
-            prompt_cached.set()
             await results.put((index, exc))
 
-    async def start_copies() -> None:
-        await prompt_cached.wait()
-        tasks.extend(asyncio.ensure_future(pump(i)) for i in range(1, prepared.n))
-
-    tasks = [asyncio.ensure_future(pump(0))]
-    starter = asyncio.ensure_future(start_copies())
+    tasks = [asyncio.ensure_future(pump(i)) for i in range(prepared.n)]  # tasks start in this order
     try:
         running = prepared.n
         while running:
@@ -354,10 +347,9 @@ async def run(state: ServerState, prepared: PreparedRequest) -> AsyncGenerator[t
             else:
                 yield index, item
     finally:
-        starter.cancel()
         for task in tasks:
             task.cancel()  # each choice's generator aborts its engine request
-        await asyncio.gather(starter, *tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _run_choice(state: ServerState, prepared: PreparedRequest, index: int) -> AsyncGenerator[RequestOutput, None]:
