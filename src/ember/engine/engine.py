@@ -274,8 +274,8 @@ class LLMEngine:
             request = item.request
             if request.times.scheduled is None:
                 request.times.scheduled = scheduled_at
+            # Its full blocks entered the prefix cache when it was scheduled (publish_scheduled).
             request.num_computed_tokens += item.num_new_tokens
-            self.kv.register_computed_blocks(request)
         for request_id, token in result.sampled.items():
             request = self.requests[request_id]
             outputs.append(self._append_token(request, token, result.logprobs.get(request_id), now))
