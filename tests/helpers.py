@@ -46,6 +46,20 @@ def teacher_forced_logits(engine: LLMEngine, ids: list[int]):
         engine.kv.free(request)
 
 
+def teacher_forced_agreement(reference: LLMEngine, engine: LLMEngine, sequences: list[tuple[list[int], list[int]]]) -> tuple[float, float]:
+    """Top-1 agreement with ``reference`` at every generated position, both fed the same tokens; and the mean |logit error|."""
+    agree = total = 0
+    error = 0.0
+    for prompt, continuation in sequences:
+        full = prompt + continuation
+        want = teacher_forced_logits(reference, full)[len(prompt) - 1 : -1]
+        got = teacher_forced_logits(engine, full)[len(prompt) - 1 : -1]
+        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
+        total += want.shape[0]
+        error += float((want - got).abs().mean()) / len(sequences)
+    return agree / total, error
+
+
 def prefill_forward(engine: LLMEngine, ids: list[int], per_layer: bool = False):
     """Run ``ids`` as one fresh prefill through the engine's model, outside the scheduler.
 

@@ -11,6 +11,7 @@ from typing import Literal
 
 Dtype = Literal["float32", "bfloat16"]
 Quantization = Literal["none", "int8", "int4", "w8a8"]
+KVCacheDtype = Literal["auto", "float16"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,12 @@ class EngineConfig:
     block_size: int = 16
     # Memory budget of the preallocated KV block pool.
     kv_cache_bytes: int = 512 * 1024 * 1024
+    # The KV cache's element type. "auto" is ``dtype``. "float16" halves the
+    # cache: twice the tokens in kv_cache_bytes and half the bytes attention
+    # reads per step, but every stored key and value is rounded to float16, so
+    # answers can differ from float32's: opt-in, its agreement printed by
+    # tests/engine/test_kv_cache_dtype.py (README, "Numerics").
+    kv_cache_dtype: KVCacheDtype = "auto"
     # Per-step token budget: decodes first, then prefill chunks fill the rest.
     # A long prompt therefore delays running streams by at most one such step.
     max_num_batched_tokens: int = 512

@@ -5,7 +5,8 @@ and seeded sampling (temperature 0.8, top_p 0.95), each compared token id for
 token id with the same request run alone on a fresh engine, in the default int8
 mode and in float32. Variations: batches of 5, 16 and 40 sequences at staggered
 offsets, a prefix-cache hit (``num_cached_tokens`` asserted) among other
-streams, and prompt chunks of 7 and 61 tokens. Session tiers and transports
+streams, and prompt chunks of 7 and 61 tokens; the opt-in float16 KV cache
+keeps the promise too. Session tiers and transports
 have their own tests (test_sessions.py, tests/server/test_seed_determinism.py).
 """
 
@@ -34,7 +35,11 @@ PROMPTS = [
 ]
 FILLERS = [f"Filler conversation {i}: list some facts about the number {i * 7}." for i in range(40)]
 MAX_TOKENS = 16
-MODES: dict[str, dict[str, str]] = {"int8 (default)": {}, "float32": {"quantization": "none"}}
+MODES: dict[str, dict[str, str]] = {
+    "int8 (default)": {},
+    "float32": {"quantization": "none"},
+    "int8, float16 KV cache": {"kv_cache_dtype": "float16"},
+}
 SAMPLINGS = ("greedy", "seeded")
 
 

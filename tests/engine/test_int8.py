@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import final_tokens, greedy, prefill_forward, run_all, teacher_forced_logits
+from helpers import final_tokens, greedy, prefill_forward, run_all, teacher_forced_agreement
 
 AGREEMENT_PROMPTS = [
     "What is the capital of France?",
@@ -45,20 +45,6 @@ def test_per_layer_error_is_bounded(fp32_engine, int8_engine):
         worst = max(worst, relative)
         assert relative < 0.08, f"layer {i}: relative error {relative:.4f}"
     print(f"\nint8 worst per-layer relative error: {worst:.4f}")
-
-
-def teacher_forced_agreement(reference, engine, sequences) -> tuple[float, float]:
-    """Top-1 agreement with ``reference`` at every generated position, both fed the same tokens; and the mean |logit error|."""
-    agree = total = 0
-    error = 0.0
-    for prompt, continuation in sequences:
-        full = prompt + continuation
-        want = teacher_forced_logits(reference, full)[len(prompt) - 1 : -1]
-        got = teacher_forced_logits(engine, full)[len(prompt) - 1 : -1]
-        agree += int((want.argmax(-1) == got.argmax(-1)).sum())
-        total += want.shape[0]
-        error += float((want - got).abs().mean()) / len(sequences)
-    return agree / total, error
 
 
 @pytest.mark.timeout(600)

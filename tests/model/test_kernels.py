@@ -162,6 +162,47 @@ def test_prompt_rows_of_several_sequences_in_one_call_equal_each_alone(k):
         assert torch.equal(alone[0], together[i]), f"row {i}"
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_float16_cache_attends_as_a_float32_cache_holding_its_values(k, shape):
+    """A float16 KV cache (EngineConfig.kv_cache_dtype) changes what is stored, not
+    how it is read: decode spans, prompt tiles (transposed keys on AVX-512 for the
+    130- and 141-row sequences), pair kernels and the plain loops of a shape without
+    register-blocked kernels all give the bits of a float32 cache holding the
+    float16 values."""
+    torch.manual_seed(4)
+    h, kv, hd, bs = SHAPES[shape]
+    k16, v16 = torch.randn(80 * bs, kv, hd).half(), torch.randn(80 * bs, kv, hd).half()
+    tables = torch.arange(1, 81).reshape(4, 20)
+    table_rows = torch.tensor([0] * 141 + [2, 1, 2] + [1] * 130 + [3] * 21)
+    lens = torch.cat([torch.arange(161, 302), torch.tensor([77, 5, 300]), torch.arange(1, 131), torch.arange(181, 202)])
+    q = torch.randn(len(lens), h, hd)
+    for rows, table_rows_or_none in ((slice(None), table_rows), (slice(141, 144), None)):  # many rows, then decode rows
+        tables_used = tables if table_rows_or_none is not None else tables[table_rows[rows]]
+        out16, out32 = (torch.empty(len(lens[rows]), h * hd) for _ in range(2))
+        k.paged_attention(out16, q[rows], k16, v16, tables_used, table_rows_or_none, lens[rows], bs, hd**-0.5)
+        k.paged_attention(out32, q[rows], k16.float(), v16.float(), tables_used, table_rows_or_none, lens[rows], bs, hd**-0.5)
+        assert torch.equal(out16, out32)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        k.paged_attention(out16, q[rows], k16, v16.float(), tables_used, None, lens[rows], bs, 0.125)
+
+
+def test_rope_store_rounds_once_into_a_float16_cache(k):
+    """Keys and values are computed in float32 and rounded once to float16: the
+    float32 cache's contents, converted (round to nearest even); q is unchanged."""
+    from ember.config import ModelConfig
+    from ember.model.llama import rope_frequencies
+
+    h, kv, hd, t = 9, 3, 64, 40
+    freqs = rope_frequencies(ModelConfig(100, 576, 128, 1, h, kv, hd, 10000.0, 1e-5, 64, True), 64)
+    qkv = torch.randn(t, (h + 2 * kv) * hd) * 4
+    positions, slots = torch.arange(t) + 7, torch.randperm(t + 5)[:t]
+    caches = {dtype: (torch.zeros(t + 5, kv, hd, dtype=dtype), torch.zeros(t + 5, kv, hd, dtype=dtype)) for dtype in (torch.float32, torch.float16)}
+    q = {dtype: k.rope_store(qkv, freqs.real.contiguous(), freqs.imag.contiguous(), positions, slots, *caches[dtype], h, kv, hd, None) for dtype in caches}
+    assert torch.equal(q[torch.float16], q[torch.float32])
+    for c16, c32 in zip(caches[torch.float16], caches[torch.float32]):
+        assert torch.equal(c16, c32.half())
+
+
 def _lane_weights(n, k_in, seed):
     from ember.model.quant import pack_lanes, quantize_per_channel_int8
 
@@ -326,12 +367,13 @@ def test_silu_mul(k, out_dtype):
     torch.testing.assert_close(out.float(), ref, equal_nan=True, **tolerance)
 
 
-def test_model_with_and_without_kernels_agree(loaded_model):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])
+def test_model_with_and_without_kernels_agree(loaded_model, kv_cache_dtype):
     from helpers import greedy, prefill_forward
     from ember.config import EngineConfig
     from ember.engine.engine import LLMEngine
 
-    config = EngineConfig(dtype="float32", quantization="none", kv_cache_bytes=64 * 1024 * 1024)
+    config = EngineConfig(dtype="float32", quantization="none", kv_cache_bytes=64 * 1024 * 1024, kv_cache_dtype=kv_cache_dtype)
     fused = LLMEngine(config=config, loaded=loaded_model)
     plain = LLMEngine(config=config, loaded=loaded_model)
     plain.model = type(plain.model)(loaded_model.config, loaded_model.weights, torch.float32, "none", torch.device("cpu"), plain.max_model_len, use_kernels=False)
@@ -402,8 +444,9 @@ def test_packed_bf16_gemm_matches_the_dense_copy(k, rows):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("head_dim", [64, 20])  # 20: the scalar tail after one vector
-def test_pack_kv_int8_gathers_and_quantizes_to_the_same_bits_as_torch(k, head_dim) -> None:
+def test_pack_kv_int8_gathers_and_quantizes_to_the_same_bits_as_torch(k, head_dim, pool_dtype) -> None:
     from ember.engine import warm_storage as ws
 
     torch.manual_seed(0)
@@ -412,6 +455,7 @@ def test_pack_kv_int8_gathers_and_quantizes_to_the_same_bits_as_torch(k, head_di
     kv[0, 0, 2] = 0.0  # an all-zero row: the scale floor
     kv[1, 1, 4, 0, 0, 0] = 1e4  # one outlier dominates its row
     kv[2, 0, 5, 1, 1, :] = torch.linspace(-127, 127, head_dim) / 127 * 0.5  # a row over the whole int8 range
+    kv = kv.to(pool_dtype)
     ids = [5, 0, 2, 4]
     data, scales = k.pack_kv_int8(kv.view(layers, 2, blocks, -1), torch.tensor(ids), head_dim)
     expected = ws.pack(kv[:, :, ids], "int8")

@@ -36,6 +36,8 @@ from ember.model.loader import LoadedModel, load_model
 from ember.model.tokenizer import Tokenizer
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# EngineConfig.kv_cache_dtype; "auto" is the model's dtype.
+_KV_CACHE_DTYPES = {"auto": None, "float16": torch.float16}
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -83,6 +85,10 @@ class LLMEngine:
         compute_threads.claim_for_engine(config.threads, [kernels] if kernels is not None else [])
         if config.dtype not in _DTYPES:
             raise InvalidSamplingParamsError(f"dtype must be one of {sorted(_DTYPES)}, got {config.dtype!r}", "dtype")
+        if config.kv_cache_dtype not in _KV_CACHE_DTYPES:
+            raise InvalidSamplingParamsError(
+                f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {config.kv_cache_dtype!r}", "kv_cache_dtype"
+            )
         self.clock = clock
         loaded = loaded or load_model(model)
         self.model_name = loaded.name
@@ -103,7 +109,7 @@ class LLMEngine:
             self.max_model_len,
             batch_invariant=config.batch_invariant,
         )
-        self.kv = KVCacheManager(loaded.config, config, self.dtype, self.device)
+        self.kv = KVCacheManager(loaded.config, config, _KV_CACHE_DTYPES[config.kv_cache_dtype] or self.dtype, self.device)
         self.scheduler = Scheduler(config, self.kv, _held_weakly(self._lookup_prefix))
         self.runner = ModelRunner(self.model, self.kv, self.device)
         self.detokenizer = Detokenizer(self.tokenizer.hf)

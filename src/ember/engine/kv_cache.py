@@ -103,7 +103,7 @@ class KVCacheManager:
         Safe from another thread while the blocks are referenced and full: nothing
         writes to them then (the session writer relies on it).
         """
-        if fmt == "int8" and self.kv.dtype == torch.float32 and self.kv.device.type == "cpu":
+        if fmt == "int8" and self.kv.dtype in (torch.float32, torch.float16) and self.kv.device.type == "cpu":
             kernels = cpu_kernels.load()
             if kernels is not None:  # gather and quantize in one pass, the same bits as ws.pack
                 layers, two, _, heads, dim = self.kv.shape

@@ -8,7 +8,7 @@
 //   activations  (T, D) row-major, float32 residual stream
 //   qkv          (T, (H + 2 KV) * Hd), q heads then k heads then v heads
 //   rotary       interleaved pairs: dims (2j, 2j+1) rotate by pos * theta_j
-//   KV cache     (num_slots, KV, Hd) per layer; slot = block * block_size + offset
+//   KV cache     (num_slots, KV, Hd) per layer, float32 or float16; slot = block * block_size + offset
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -28,7 +28,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #include <immintrin.h>
 #define EMBER_AVX512 1
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // AVX2 machines (e.g. Zen 3): the attention and SiLU loops have 8-wide twins.
 #include <immintrin.h>
 #define EMBER_AVX2 1
@@ -36,6 +36,8 @@
 
 using torch::Tensor;
 using BF16 = c10::BFloat16;
+// A float16 KV cache (EngineConfig.kv_cache_dtype): half the bytes of float32.
+using Half = at::Half;
 
 // linear_lanes.cpp: the batch-invariant linears.
 Tensor linear_w8a16(Tensor x, Tensor w, Tensor scale);
@@ -69,6 +71,28 @@ void with_ptr(const Tensor& t, Fn fn) {
   } else {
     TORCH_CHECK(false, "ember kernels support float32 and bfloat16, got ", t.scalar_type());
   }
+}
+
+// Calls fn with a typed pointer to KV cache memory: float32 (the default) or
+// float16 (opt-in). The kernels read float16 values converted to float32, which
+// is exact, and then do float32's arithmetic: a float16 cache changes what is
+// stored, never how it is used.
+template <typename Fn>
+void with_kv_ptr(const Tensor& t, Fn fn) {
+  if (t.scalar_type() == at::kFloat) {
+    fn(t.data_ptr<float>());
+  } else if (t.scalar_type() == at::kHalf) {
+    fn(t.data_ptr<Half>());
+  } else {
+    TORCH_CHECK(false, "ember kernels support a float32 or float16 KV cache, got ", t.scalar_type());
+  }
+}
+
+// with_kv_ptr for a layer's K and V caches, which share one dtype.
+template <typename Fn>
+void with_kv(const Tensor& k, const Tensor& v, Fn fn) {
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "the K and V caches must have one dtype");
+  with_kv_ptr(k, [&](auto* kp) { fn(kp, v.data_ptr<std::remove_pointer_t<decltype(kp)>>()); });
 }
 
 void check_contiguous(const Tensor& t, const char* name) {
@@ -147,7 +171,6 @@ Tensor rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor s
   check_contiguous(qkv, "qkv");
   check_contiguous(k_cache, "k_cache");
   check_contiguous(v_cache, "v_cache");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat, "rope_store needs a float32 cache");
   const int64_t tokens = qkv.size(0);
   const int64_t width = (num_heads + 2 * num_kv_heads) * head_dim;
   TORCH_CHECK(qkv.size(1) == width, "qkv has the wrong width");
@@ -159,31 +182,33 @@ Tensor rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor positions, Tensor s
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* bp = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* qo = q_out.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const int64_t kv_width = num_kv_heads * head_dim;
-  with_ptr(qkv, [&](auto* src) {
-    at::parallel_for(0, tokens, ROPE_GRAIN, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const auto* row = src + t * width;
-        const float* c = cp + pos[t] * half;
-        const float* s = sp + pos[t] * half;
-        auto value = [&](int64_t i) { return load(row, i) + (bp ? bp[i] : 0.f); };
-        // q heads, then k heads (written straight into the cache), interleaved pairs.
-        for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
-          const int64_t base = h * head_dim;
-          float* dst = h < num_heads ? qo + (t * num_heads + h) * head_dim
-                                     : kc + slot[t] * kv_width + (h - num_heads) * head_dim;
-          for (int64_t j = 0; j < half; ++j) {
-            const float x0 = value(base + 2 * j), x1 = value(base + 2 * j + 1);
-            dst[2 * j] = x0 * c[j] - x1 * s[j];
-            dst[2 * j + 1] = x0 * s[j] + x1 * c[j];
-          }
+  with_kv(k_cache, v_cache, [&](auto* kc, auto* vc) {
+    with_ptr(qkv, [&](auto* src) {
+      at::parallel_for(0, tokens, ROPE_GRAIN, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const auto* row = src + t * width;
+          const float* c = cp + pos[t] * half;
+          const float* s = sp + pos[t] * half;
+          auto value = [&](int64_t i) { return load(row, i) + (bp ? bp[i] : 0.f); };
+          // Head h's interleaved pairs rotated into dst (the rotation in float32,
+          // then rounded once to the destination's type).
+          auto rotate = [&](int64_t h, auto* dst) {
+            const int64_t base = h * head_dim;
+            for (int64_t j = 0; j < half; ++j) {
+              const float x0 = value(base + 2 * j), x1 = value(base + 2 * j + 1);
+              store(dst, 2 * j, x0 * c[j] - x1 * s[j]);
+              store(dst, 2 * j + 1, x0 * s[j] + x1 * c[j]);
+            }
+          };
+          // q heads, then k heads (written straight into the cache).
+          for (int64_t h = 0; h < num_heads; ++h) rotate(h, qo + (t * num_heads + h) * head_dim);
+          for (int64_t h = 0; h < num_kv_heads; ++h) rotate(num_heads + h, kc + slot[t] * kv_width + h * head_dim);
+          const int64_t v_base = (num_heads + num_kv_heads) * head_dim;
+          auto* vdst = vc + slot[t] * kv_width;
+          for (int64_t i = 0; i < kv_width; ++i) store(vdst, i, value(v_base + i));
         }
-        const int64_t v_base = (num_heads + num_kv_heads) * head_dim;
-        float* vdst = vc + slot[t] * kv_width;
-        for (int64_t i = 0; i < kv_width; ++i) vdst[i] = value(v_base + i);
-      }
+      });
     });
   });
   return q_out;
@@ -280,15 +305,27 @@ struct AttentionSpan {
   int64_t seq, kv_head, begin, end;
 };
 
+// A cache row as float32 for the plain loops: a float32 row itself, a float16
+// row widened into buf (head_dim <= 512). The loops then run one float32 code
+// for both caches, so a float16 cache gives the bits of a float32 cache holding
+// its values here too (converting inside the loop let the compiler contract or
+// vectorise the two differently).
+inline const float* float_row(const float* row, int64_t, float*) { return row; }
+inline const float* float_row(const Half* row, int64_t head_dim, float* buf) {
+  for (int64_t j = 0; j < head_dim; ++j) buf[j] = static_cast<float>(row[j]);
+  return buf;
+}
+
 // Rows of one head are head_dim floats every kv_width floats, in blocks
 // scattered over the pool: the hardware prefetcher does not follow them, so
 // the loops below ask for the row PREFETCH_AHEAD tokens on.
 constexpr int64_t PREFETCH_AHEAD = 8;
 
-inline void prefetch_row(const float* row, int64_t head_dim) {
+template <typename KV>
+inline void prefetch_row(const KV* row, int64_t head_dim) {
 #if defined(EMBER_AVX512) || defined(EMBER_AVX2)
   const char* bytes = reinterpret_cast<const char*>(row);
-  for (int64_t byte = 0; byte < head_dim * 4; byte += 64) _mm_prefetch(bytes + byte, _MM_HINT_T0);
+  for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(KV)); byte += 64) _mm_prefetch(bytes + byte, _MM_HINT_T0);
 #endif
 }
 
@@ -305,6 +342,8 @@ inline VecF vzero() { return _mm512_setzero_ps(); }
 inline VecF vmul(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(VecF v) { return _mm512_reduce_add_ps(v); }
+inline VecF vload_kv(const float* p) { return _mm512_loadu_ps(p); }
+inline VecF vload_kv(const Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #elif defined(EMBER_AVX2)
 #define EMBER_SIMD 1
 using VecF = __m256;
@@ -316,6 +355,8 @@ inline VecF vzero() { return _mm256_setzero_ps(); }
 inline VecF vmul(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF vfmadd(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }
 inline float vsum(VecF v) { return hsum8(v); }
+inline VecF vload_kv(const float* p) { return _mm256_loadu_ps(p); }
+inline VecF vload_kv(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
 
 #ifdef EMBER_SIMD
@@ -375,24 +416,24 @@ inline __m256 reduce_add_8x16(const __m512 v[8]) {
 // latency) and their sums in one hsum8x8; the same arithmetic per score, the
 // same bits. The queries stay in registers with AVX-512; AVX2's 16 registers
 // leave them in L1.
-template <int G, int C>
-void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t len, float scale, float* scores, bool prefetch) {
+template <int G, int C, typename KV>
+void span_scores(const float* qb, const KV* kc, const int64_t* rows, int64_t len, float scale, float* scores, bool prefetch) {
   int64_t t = 0;
 #ifdef EMBER_AVX2
   const __m256 vscale = _mm256_set1_ps(scale);
   for (; t + 8 <= len; t += 8) {
     for (int i = 0; i < 8; ++i)
       if (prefetch && t + 8 + i < len) prefetch_row(kc + rows[t + 8 + i], C * VW);
-    const float* k[8];
+    const KV* k[8];
     for (int i = 0; i < 8; ++i) k[i] = kc + rows[t + i];
     for (int g = 0; g < G; ++g) {
       const float* qg = qb + g * C * VW;
       __m256 d[8];
       const __m256 q0 = vload(qg);
-      for (int i = 0; i < 8; ++i) d[i] = vmul(q0, vload(k[i]));
+      for (int i = 0; i < 8; ++i) d[i] = vmul(q0, vload_kv(k[i]));
       for (int c = 1; c < C; ++c) {
         const __m256 qc = vload(qg + c * VW);
-        for (int i = 0; i < 8; ++i) d[i] = vfmadd(qc, vload(k[i] + c * VW), d[i]);
+        for (int i = 0; i < 8; ++i) d[i] = vfmadd(qc, vload_kv(k[i] + c * VW), d[i]);
       }
       vstore(scores + g * len + t, _mm256_mul_ps(hsum8x8(d), vscale));
     }
@@ -407,22 +448,22 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
   for (; t + 8 <= len; t += 8) {
     for (int i = 0; i < 8; ++i)
       if (prefetch && t + PREFETCH_AHEAD + i < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD + i], C * VW);
-    const float* k[8];
+    const KV* k[8];
     for (int i = 0; i < 8; ++i) k[i] = kc + rows[t + i];
     for (int g = 0; g < G; ++g) {
       VecF d[8];
-      for (int i = 0; i < 8; ++i) d[i] = vmul(q[g][0], vload(k[i]));
+      for (int i = 0; i < 8; ++i) d[i] = vmul(q[g][0], vload_kv(k[i]));
       for (int c = 1; c < C; ++c)
-        for (int i = 0; i < 8; ++i) d[i] = vfmadd(q[g][c], vload(k[i] + c * VW), d[i]);
+        for (int i = 0; i < 8; ++i) d[i] = vfmadd(q[g][c], vload_kv(k[i] + c * VW), d[i]);
       _mm256_storeu_ps(scores + g * len + t, _mm256_mul_ps(reduce_add_8x16(d), vscale));
     }
   }
 #endif
   for (; t < len; ++t) {
     if (prefetch && t + PREFETCH_AHEAD < len) prefetch_row(kc + rows[t + PREFETCH_AHEAD], C * VW);
-    const float* k = kc + rows[t];
+    const KV* k = kc + rows[t];
     VecF kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = vload(k + c * VW);
+    for (int c = 0; c < C; ++c) kv[c] = vload_kv(k + c * VW);
     for (int g = 0; g < G; ++g) {
       VecF d = vmul(q[g][0], kv[0]);
       for (int c = 1; c < C; ++c) d = vfmadd(q[g][c], kv[c], d);
@@ -440,8 +481,8 @@ void span_scores(const float* qb, const float* kc, const int64_t* rows, int64_t 
 // model's G = 3, 12 chains (two chunks' 6 chains measured 1.3x slower on AMD
 // Zen 3, one chunk's 3 another 1.5x). Any order of the chunks gives each
 // accumulator the same sequence.
-template <int G, int C>
-void span_values(const float* vc, const int64_t* rows, int64_t len, const float* probs, float* acc, bool prefetch) {
+template <int G, int C, typename KV>
+void span_values(const KV* vc, const int64_t* rows, int64_t len, const float* probs, float* acc, bool prefetch) {
   // Chunks advanced together: every chunk with AVX-512 where G x C accumulators
   // and the loaded values fit its 32 registers; with AVX2 the most (8, 4, 2 or 1)
   // whose accumulators and the G broadcasts fit 15 of its 16.
@@ -455,9 +496,9 @@ void span_values(const float* vc, const int64_t* rows, int64_t len, const float*
       if (prefetch && c0 == 0 && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
       VecF p[G];
       for (int g = 0; g < G; ++g) p[g] = vset1(probs[g * len + t]);
-      const float* v = vc + rows[t] + c0 * VW;
+      const KV* v = vc + rows[t] + c0 * VW;
       for (int c = 0; c < CHUNKS; ++c)
-        for (int g = 0; g < G; ++g) a[c][g] = vfmadd(p[g], vload(v + c * VW), a[c][g]);
+        for (int g = 0; g < G; ++g) a[c][g] = vfmadd(p[g], vload_kv(v + c * VW), a[c][g]);
     }
     for (int c = 0; c < CHUNKS; ++c)
       for (int g = 0; g < G; ++g) vstore(acc + g * C * VW + (c0 + c) * VW, a[c][g]);
@@ -471,8 +512,8 @@ void span_values(const float* vc, const int64_t* rows, int64_t len, const float*
 // span_values' arithmetic (acc = fma(p_t, v_t, acc), t in order from zero): the
 // same bits as two span_values calls. After len_a tokens row b goes on alone.
 // 2 x G x C accumulators, C values and two broadcasts must fit 32 registers.
-template <int G, int C>
-void span_values_pair(const float* vc, const int64_t* rows, int64_t len_a, const float* probs_a, float* acc_a, int64_t len_b,
+template <int G, int C, typename KV>
+void span_values_pair(const KV* vc, const int64_t* rows, int64_t len_a, const float* probs_a, float* acc_a, int64_t len_b,
                       const float* probs_b, float* acc_b, bool prefetch) {
   static_assert(2 * G * C + C + 2 <= 32, "the pair's accumulators must stay in registers");
   VecF a[C][G], b[C][G];
@@ -481,9 +522,9 @@ void span_values_pair(const float* vc, const int64_t* rows, int64_t len_a, const
   int64_t t = 0;
   for (; t < len_a; ++t) {
     if (prefetch && t + PREFETCH_AHEAD < len_b) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
-    const float* v = vc + rows[t];
+    const KV* v = vc + rows[t];
     VecF vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = vload(v + c * VW);
+    for (int c = 0; c < C; ++c) vv[c] = vload_kv(v + c * VW);
     for (int g = 0; g < G; ++g) {
       const VecF pa = vset1(probs_a[g * len_a + t]), pb = vset1(probs_b[g * len_b + t]);
       for (int c = 0; c < C; ++c) {
@@ -494,10 +535,10 @@ void span_values_pair(const float* vc, const int64_t* rows, int64_t len_a, const
   }
   for (; t < len_b; ++t) {
     if (prefetch && t + PREFETCH_AHEAD < len_b) prefetch_row(vc + rows[t + PREFETCH_AHEAD], C * VW);
-    const float* v = vc + rows[t];
+    const KV* v = vc + rows[t];
     for (int g = 0; g < G; ++g) {
       const VecF pb = vset1(probs_b[g * len_b + t]);
-      for (int c = 0; c < C; ++c) b[c][g] = vfmadd(pb, vload(v + c * VW), b[c][g]);
+      for (int c = 0; c < C; ++c) b[c][g] = vfmadd(pb, vload_kv(v + c * VW), b[c][g]);
     }
   }
   for (int c = 0; c < C; ++c)
@@ -614,14 +655,15 @@ inline void transpose16x16(__m512 r[16]) {
 // zeros after the len-th key up to the piece's end (span_scores_transposed reads
 // whole pieces). head_dim a multiple of 16; kt holds head_dim x len rounded up
 // to whole pieces.
-void transpose_span_keys(const float* kc, const int64_t* rows, int64_t len, int64_t head_dim, float* kt) {
+template <typename KV>
+void transpose_span_keys(const KV* kc, const int64_t* rows, int64_t len, int64_t head_dim, float* kt) {
   for (int64_t t0 = 0; t0 < keys_padded(len); t0 += 16) {
     float* piece = kt + (t0 / KEYS_PIECE) * head_dim * KEYS_PIECE + t0 % KEYS_PIECE;
     for (int64_t i = 0; i < 16; ++i)
       if (t0 + 16 + i < len) prefetch_row(kc + rows[t0 + 16 + i], head_dim);
     for (int64_t c = 0; c < head_dim; c += 16) {
       __m512 r[16];
-      for (int64_t i = 0; i < 16; ++i) r[i] = t0 + i < len ? _mm512_loadu_ps(kc + rows[t0 + i] + c) : _mm512_setzero_ps();
+      for (int64_t i = 0; i < 16; ++i) r[i] = t0 + i < len ? vload_kv(kc + rows[t0 + i] + c) : _mm512_setzero_ps();
       transpose16x16(r);
       for (int j = 0; j < 16; ++j) _mm512_storeu_ps(piece + (c + j) * KEYS_PIECE, r[j]);
     }
@@ -642,16 +684,18 @@ TransposedScoresFn transposed_scores_kernel(int64_t group, int64_t head_dim) {
 }
 #endif
 
-using ScoresFn = void (*)(const float*, const float*, const int64_t*, int64_t, float, float*, bool);
-using ValuesFn = void (*)(const float*, const int64_t*, int64_t, const float*, float*, bool);
+template <typename KV>
+using ScoresFn = void (*)(const float*, const KV*, const int64_t*, int64_t, float, float*, bool);
+template <typename KV>
+using ValuesFn = void (*)(const KV*, const int64_t*, int64_t, const float*, float*, bool);
 
-template <int C>
-bool pick_span_kernels(int64_t group, ScoresFn* scores, ValuesFn* values) {
+template <int C, typename KV>
+bool pick_span_kernels(int64_t group, ScoresFn<KV>* scores, ValuesFn<KV>* values) {
   switch (group) {
 #define EMBER_GROUP(G) \
   case G:              \
-    *scores = span_scores<G, C>; \
-    *values = span_values<G, C>; \
+    *scores = span_scores<G, C, KV>; \
+    *values = span_values<G, C, KV>; \
     return true;
     EMBER_GROUP(1) EMBER_GROUP(2) EMBER_GROUP(3) EMBER_GROUP(4) EMBER_GROUP(5) EMBER_GROUP(6) EMBER_GROUP(7) EMBER_GROUP(8)
 #undef EMBER_GROUP
@@ -661,9 +705,10 @@ bool pick_span_kernels(int64_t group, ScoresFn* scores, ValuesFn* values) {
 }
 
 // The register-blocked kernels for this shape, if there are some (head_dim 64 or 128, group <= 8).
-bool span_kernels(int64_t group, int64_t head_dim, ScoresFn* scores, ValuesFn* values) {
-  if (head_dim == 64) return pick_span_kernels<64 / VW>(group, scores, values);
-  if (head_dim == 128) return pick_span_kernels<128 / VW>(group, scores, values);
+template <typename KV>
+bool span_kernels(int64_t group, int64_t head_dim, ScoresFn<KV>* scores, ValuesFn<KV>* values) {
+  if (head_dim == 64) return pick_span_kernels<64 / VW, KV>(group, scores, values);
+  if (head_dim == 128) return pick_span_kernels<128 / VW, KV>(group, scores, values);
   return false;
 }
 #endif
@@ -709,7 +754,8 @@ struct TransposedKeys {
 
 // Transposes the keys of every table that at least TRANSPOSED_MIN_ROWS rows of
 // the call share (fewer would not repay it), up to its longest row's context.
-TransposedKeys transpose_tile_keys(const std::vector<TileTable>& tiles, const float* kc, int64_t num_kv_heads, int64_t head_dim,
+template <typename KV>
+TransposedKeys transpose_tile_keys(const std::vector<TileTable>& tiles, const KV* kc, int64_t num_kv_heads, int64_t head_dim,
                                    int64_t block_size, int64_t span_len) {
   TransposedKeys out;
   out.num_kv_heads = num_kv_heads;
@@ -795,18 +841,20 @@ __attribute__((noinline)) void softmax_span(float* scores, int64_t len, int64_t 
 // per head, m = max and l = sum exp(score - m), the scores left as exp(score - m).
 // ``prefetch`` asks for the span's keys ahead; false when an earlier row of the
 // same tile has just brought them into L1. It never changes a result.
-__attribute__((noinline)) void score_span(const float* qb, const float* kc, const int64_t* rows, int64_t len, int64_t group,
+template <typename KV>
+__attribute__((noinline)) void score_span(const float* qb, const KV* kc, const int64_t* rows, int64_t len, int64_t group,
                                           int64_t head_dim, float scale, float* scores, float* m_out, float* l_out, bool prefetch) {
 #ifdef EMBER_SIMD
-  ScoresFn fast_scores = nullptr;
-  ValuesFn fast_values = nullptr;
+  ScoresFn<KV> fast_scores = nullptr;
+  ValuesFn<KV> fast_values = nullptr;
   if (span_kernels(group, head_dim, &fast_scores, &fast_values)) {
     fast_scores(qb, kc, rows, len, scale, scores, prefetch);
   } else
 #endif
   {
+    float widened[512];
     for (int64_t t = 0; t < len; ++t) {
-      const float* k = kc + rows[t];
+      const float* k = float_row(kc + rows[t], head_dim, widened);
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = qb + g * head_dim;
         float dot = 0.f;
@@ -820,20 +868,22 @@ __attribute__((noinline)) void score_span(const float* qb, const float* kc, cons
 
 // The second half: acc (group, Hd) = sum over the span's tokens of p_t v_t,
 // p = score_span's exp(score - m); ``prefetch`` as in score_span, for the values.
-__attribute__((noinline)) void value_span(const float* vc, const int64_t* rows, int64_t len, int64_t group, int64_t head_dim,
+template <typename KV>
+__attribute__((noinline)) void value_span(const KV* vc, const int64_t* rows, int64_t len, int64_t group, int64_t head_dim,
                                           const float* probs, float* acc, bool prefetch) {
 #ifdef EMBER_SIMD
-  ScoresFn fast_scores = nullptr;
-  ValuesFn fast_values = nullptr;
+  ScoresFn<KV> fast_scores = nullptr;
+  ValuesFn<KV> fast_values = nullptr;
   if (span_kernels(group, head_dim, &fast_scores, &fast_values)) {
     fast_values(vc, rows, len, probs, acc, prefetch);
     return;
   }
 #endif
   std::fill(acc, acc + group * head_dim, 0.f);
+  float widened[512];
   for (int64_t t = 0; t < len; ++t) {
     if (prefetch && t + PREFETCH_AHEAD < len) prefetch_row(vc + rows[t + PREFETCH_AHEAD], head_dim);
-    const float* v = vc + rows[t];
+    const float* v = float_row(vc + rows[t], head_dim, widened);
     for (int64_t g = 0; g < group; ++g) {
       const float p = probs[g * len + t];
       float* a = acc + g * head_dim;
@@ -845,15 +895,16 @@ __attribute__((noinline)) void value_span(const float* vc, const int64_t* rows, 
 // value_span for two rows of a tile at once (span_values_pair) where a pair
 // kernel fits this shape; false otherwise (the caller runs value_span twice).
 // The same bits as value_span on each row.
-bool value_span_pair(const float* vc, const int64_t* rows, int64_t group, int64_t head_dim, int64_t len_a, const float* probs_a,
+template <typename KV>
+bool value_span_pair(const KV* vc, const int64_t* rows, int64_t group, int64_t head_dim, int64_t len_a, const float* probs_a,
                      float* acc_a, int64_t len_b, const float* probs_b, float* acc_b, bool prefetch) {
 #ifdef EMBER_AVX512
   if (len_a > len_b) return value_span_pair(vc, rows, group, head_dim, len_b, probs_b, acc_b, len_a, probs_a, acc_a, prefetch);
-  void (*pair)(const float*, const int64_t*, int64_t, const float*, float*, int64_t, const float*, float*, bool) = nullptr;
-  if (head_dim == 64 && group == 1) pair = span_values_pair<1, 4>;
-  if (head_dim == 64 && group == 2) pair = span_values_pair<2, 4>;
-  if (head_dim == 64 && group == 3) pair = span_values_pair<3, 4>;
-  if (head_dim == 128 && group == 1) pair = span_values_pair<1, 8>;
+  void (*pair)(const KV*, const int64_t*, int64_t, const float*, float*, int64_t, const float*, float*, bool) = nullptr;
+  if (head_dim == 64 && group == 1) pair = span_values_pair<1, 4, KV>;
+  if (head_dim == 64 && group == 2) pair = span_values_pair<2, 4, KV>;
+  if (head_dim == 64 && group == 3) pair = span_values_pair<3, 4, KV>;
+  if (head_dim == 128 && group == 1) pair = span_values_pair<1, 8, KV>;
   if (pair == nullptr) return false;
   pair(vc, rows, len_a, probs_a, acc_a, len_b, probs_b, acc_b, prefetch);
   return true;
@@ -867,7 +918,8 @@ bool value_span_pair(const float* vc, const int64_t* rows, int64_t group, int64_
 // One span of one (row, kv head): score_span, then value_span. Writes acc
 // (group, Hd), m (group) and l (group). Every way paged_attention schedules a
 // span runs these two functions on the same arguments: the same bits.
-void attend_span(const float* qb, const float* kc, const float* vc, const int64_t* table, const AttentionSpan& span, int64_t group,
+template <typename KV>
+void attend_span(const float* qb, const KV* kc, const KV* vc, const int64_t* table, const AttentionSpan& span, int64_t group,
                  int64_t head_dim, int64_t kv_width, int64_t block_size, float scale, float* scores, float* acc, float* m_out,
                  float* l_out) {
   const int64_t len = span.end - span.begin;
@@ -925,8 +977,7 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
   check_contiguous(out, "out");
   check_contiguous(block_tables, "block_tables");
   check_contiguous(context_lens, "context_lens");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat,
-              "paged_attention: q and the KV cache must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "paged_attention: q must be float32");
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
@@ -942,8 +993,6 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
     TORCH_CHECK(block_tables.size(0) == batch, "paged_attention: one block table row per query without table_rows");
   }
   const float* qp = q.data_ptr<float>();
-  const float* kc = k_cache.data_ptr<float>();
-  const float* vc = v_cache.data_ptr<float>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   const float sc = static_cast<float>(scale);
@@ -958,142 +1007,145 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
   const int64_t stride = group * (head_dim + 2);
   const int64_t tasks = batch * num_kv_heads;
 
-  with_ptr(out, [&](auto* op) {
-    if (tasks >= 4 * at::get_num_threads()) {
-      // Many rows: whole (tile, kv head) tasks per thread, partials in a local
-      // buffer. A tile is up to ATTENTION_TILE consecutive rows on the same
-      // block table (a prompt chunk's tokens); its task walks the spans
-      // outermost and every row that reaches a span attends to it while the
-      // span's keys and values are in cache (row by row, each row re-read its
-      // whole context from L3). Each (row, span) is still one attend_span call
-      // and each row one merge_spans: the same bits as any other schedule.
-      // A prompt chunk's rows grow in context: tiles are dealt in zigzag order
-      // (first, last, second, second to last, ...), so every thread's
-      // contiguous share holds short and long rows alike (in row order, the
-      // last thread did 3x the first one's work on a fresh 512-token chunk).
-      std::vector<int64_t> tile_start{0};
-      for (int64_t b = 1; b < batch; ++b)
-        if (b - tile_start.back() == ATTENTION_TILE || table_of(b) != table_of(b - 1)) tile_start.push_back(b);
-      const int64_t tiles = static_cast<int64_t>(tile_start.size());
-      tile_start.push_back(batch);
-      const int64_t tile_tasks = tiles * num_kv_heads;
-#ifdef EMBER_AVX512
-      const TransposedScoresFn transposed_scores = transposed_scores_kernel(group, head_dim);
-      TransposedKeys keys_t;
-      if (transposed_scores && batch >= TRANSPOSED_MIN_ROWS) {
-        std::vector<TileTable> tile_tables(tiles);
-        for (int64_t t = 0; t < tiles; ++t) {
-          tile_tables[t] = {table_of(tile_start[t]), tile_start[t + 1] - tile_start[t], 0};
-          for (int64_t b = tile_start[t]; b < tile_start[t + 1]; ++b) tile_tables[t].longest = std::max(tile_tables[t].longest, lens[b]);
+  // The same code for a float32 and a float16 cache: only the loads differ.
+  with_kv(k_cache, v_cache, [&](const auto* kc, const auto* vc) {
+    with_ptr(out, [&](auto* op) {
+      if (tasks >= 4 * at::get_num_threads()) {
+        // Many rows: whole (tile, kv head) tasks per thread, partials in a local
+        // buffer. A tile is up to ATTENTION_TILE consecutive rows on the same
+        // block table (a prompt chunk's tokens); its task walks the spans
+        // outermost and every row that reaches a span attends to it while the
+        // span's keys and values are in cache (row by row, each row re-read its
+        // whole context from L3). Each (row, span) is still one attend_span call
+        // and each row one merge_spans: the same bits as any other schedule.
+        // A prompt chunk's rows grow in context: tiles are dealt in zigzag order
+        // (first, last, second, second to last, ...), so every thread's
+        // contiguous share holds short and long rows alike (in row order, the
+        // last thread did 3x the first one's work on a fresh 512-token chunk).
+        std::vector<int64_t> tile_start{0};
+        for (int64_t b = 1; b < batch; ++b)
+          if (b - tile_start.back() == ATTENTION_TILE || table_of(b) != table_of(b - 1)) tile_start.push_back(b);
+        const int64_t tiles = static_cast<int64_t>(tile_start.size());
+        tile_start.push_back(batch);
+        const int64_t tile_tasks = tiles * num_kv_heads;
+  #ifdef EMBER_AVX512
+        const TransposedScoresFn transposed_scores = transposed_scores_kernel(group, head_dim);
+        TransposedKeys keys_t;
+        if (transposed_scores && batch >= TRANSPOSED_MIN_ROWS) {
+          std::vector<TileTable> tile_tables(tiles);
+          for (int64_t t = 0; t < tiles; ++t) {
+            tile_tables[t] = {table_of(tile_start[t]), tile_start[t + 1] - tile_start[t], 0};
+            for (int64_t b = tile_start[t]; b < tile_start[t + 1]; ++b) tile_tables[t].longest = std::max(tile_tables[t].longest, lens[b]);
+          }
+          keys_t = transpose_tile_keys(tile_tables, kc, num_kv_heads, head_dim, block_size, span_len);
         }
-        keys_t = transpose_tile_keys(tile_tables, kc, num_kv_heads, head_dim, block_size, span_len);
+  #endif
+        at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
+          std::vector<float> scores(ATTENTION_TILE * group * span_len), partial;
+          std::array<int64_t, MAX_SPAN> span_offsets;
+          std::array<int64_t, ATTENTION_TILE + 1> first{};
+          for (int64_t dealt = begin; dealt < end; ++dealt) {
+            const int64_t task = dealt % 2 == 0 ? dealt / 2 : tile_tasks - 1 - dealt / 2;
+            const int64_t tile = task / num_kv_heads, kvh = task % num_kv_heads;
+            const int64_t b0 = tile_start[tile], rows = tile_start[tile + 1] - b0;
+            // Row b0 + r keeps its n spans' partials at first[r] .. first[r + 1].
+            int64_t most = 0, longest = 0;
+            for (int64_t r = 0; r < rows; ++r) {
+              const int64_t n = (lens[b0 + r] + span_len - 1) / span_len;
+              first[r + 1] = first[r] + n;
+              most = std::max(most, n);
+              longest = std::max(longest, lens[b0 + r]);
+            }
+            partial.resize(first[rows] * stride);
+            for (int64_t i = 0; i < most; ++i) {
+              // The tile's rows share one block table: the longest row's offsets
+              // hold every shorter row's as a prefix.
+              const int64_t span_begin = i * span_len;
+              span_rows(table_of(b0), span_begin, std::min(longest, span_begin + span_len), kvh * head_dim, kv_width, block_size,
+                        span_offsets.data());
+              // Row r's length in this span, its partial and its scores.
+              auto len_of = [&](int64_t r) { return std::min(lens[b0 + r], span_begin + span_len) - span_begin; };
+              auto part_of = [&](int64_t r) { return partial.data() + (first[r] + i) * stride; };
+              auto scores_of = [&](int64_t r) { return scores.data() + r * group * span_len; };
+              // Every row's scores against the span's keys, then every row's values:
+              // one of K or V in L1 at a time (K and V of a 64-token span are 16 KB
+              // each: row by row, alternating, they spilled Zen 3's 32 KB L1). The
+              // last row (in a prompt chunk the longest) goes first and asks for the
+              // span's rows ahead; the others find them in L1, where asking again
+              // only took load slots (1.09x without it).
+              // Where this sequence's keys are transposed, span_scores_transposed
+              // (the same bits) and exp_span; otherwise score_span.
+  #ifdef EMBER_AVX512
+              const float* kt = keys_t.span(tile, i, kvh);
+  #endif
+              for (int64_t r = rows - 1; r >= 0; --r) {
+                if (i >= first[r + 1] - first[r]) continue;
+                const float* qr = qp + ((b0 + r) * num_heads + kvh * group) * head_dim;
+                float* m = part_of(r) + group * head_dim;
+                float* l = m + group;
+  #ifdef EMBER_AVX512
+                if (kt != nullptr) {
+                  transposed_scores(qr, kt, len_of(r), sc, scores_of(r), m);
+                  exp_span(scores_of(r), len_of(r), group, m, l);
+                  continue;
+                }
+  #endif
+                score_span(qr, kc, span_offsets.data(), len_of(r), group, head_dim, sc, scores_of(r), m, l, r == rows - 1);
+              }
+              // The values two rows at a time where the shape has a pair kernel.
+              int64_t waiting = -1;  // a row that reaches this span, not yet paired
+              for (int64_t r = rows - 1; r >= 0; --r) {
+                if (i >= first[r + 1] - first[r]) continue;
+                if (waiting < 0) {
+                  waiting = r;
+                  continue;
+                }
+                const bool prefetch = waiting == rows - 1;
+                if (!value_span_pair(vc, span_offsets.data(), group, head_dim, len_of(waiting), scores_of(waiting), part_of(waiting), len_of(r),
+                                     scores_of(r), part_of(r), prefetch)) {
+                  value_span(vc, span_offsets.data(), len_of(waiting), group, head_dim, scores_of(waiting), part_of(waiting), prefetch);
+                  value_span(vc, span_offsets.data(), len_of(r), group, head_dim, scores_of(r), part_of(r), false);
+                }
+                waiting = -1;
+              }
+              if (waiting >= 0)
+                value_span(vc, span_offsets.data(), len_of(waiting), group, head_dim, scores_of(waiting), part_of(waiting), waiting == rows - 1);
+            }
+            for (int64_t r = 0; r < rows; ++r)
+              merge_spans(partial.data() + first[r] * stride, first[r + 1] - first[r], group, head_dim,
+                          op + ((b0 + r) * num_heads + kvh * group) * head_dim);
+          }
+        });
+        return;
       }
-#endif
-      at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scores(ATTENTION_TILE * group * span_len), partial;
-        std::array<int64_t, MAX_SPAN> span_offsets;
-        std::array<int64_t, ATTENTION_TILE + 1> first{};
-        for (int64_t dealt = begin; dealt < end; ++dealt) {
-          const int64_t task = dealt % 2 == 0 ? dealt / 2 : tile_tasks - 1 - dealt / 2;
-          const int64_t tile = task / num_kv_heads, kvh = task % num_kv_heads;
-          const int64_t b0 = tile_start[tile], rows = tile_start[tile + 1] - b0;
-          // Row b0 + r keeps its n spans' partials at first[r] .. first[r + 1].
-          int64_t most = 0, longest = 0;
-          for (int64_t r = 0; r < rows; ++r) {
-            const int64_t n = (lens[b0 + r] + span_len - 1) / span_len;
-            first[r + 1] = first[r] + n;
-            most = std::max(most, n);
-            longest = std::max(longest, lens[b0 + r]);
-          }
-          partial.resize(first[rows] * stride);
-          for (int64_t i = 0; i < most; ++i) {
-            // The tile's rows share one block table: the longest row's offsets
-            // hold every shorter row's as a prefix.
-            const int64_t span_begin = i * span_len;
-            span_rows(table_of(b0), span_begin, std::min(longest, span_begin + span_len), kvh * head_dim, kv_width, block_size,
-                      span_offsets.data());
-            // Row r's length in this span, its partial and its scores.
-            auto len_of = [&](int64_t r) { return std::min(lens[b0 + r], span_begin + span_len) - span_begin; };
-            auto part_of = [&](int64_t r) { return partial.data() + (first[r] + i) * stride; };
-            auto scores_of = [&](int64_t r) { return scores.data() + r * group * span_len; };
-            // Every row's scores against the span's keys, then every row's values:
-            // one of K or V in L1 at a time (K and V of a 64-token span are 16 KB
-            // each: row by row, alternating, they spilled Zen 3's 32 KB L1). The
-            // last row (in a prompt chunk the longest) goes first and asks for the
-            // span's rows ahead; the others find them in L1, where asking again
-            // only took load slots (1.09x without it).
-            // Where this sequence's keys are transposed, span_scores_transposed
-            // (the same bits) and exp_span; otherwise score_span.
-#ifdef EMBER_AVX512
-            const float* kt = keys_t.span(tile, i, kvh);
-#endif
-            for (int64_t r = rows - 1; r >= 0; --r) {
-              if (i >= first[r + 1] - first[r]) continue;
-              const float* qr = qp + ((b0 + r) * num_heads + kvh * group) * head_dim;
-              float* m = part_of(r) + group * head_dim;
-              float* l = m + group;
-#ifdef EMBER_AVX512
-              if (kt != nullptr) {
-                transposed_scores(qr, kt, len_of(r), sc, scores_of(r), m);
-                exp_span(scores_of(r), len_of(r), group, m, l);
-                continue;
-              }
-#endif
-              score_span(qr, kc, span_offsets.data(), len_of(r), group, head_dim, sc, scores_of(r), m, l, r == rows - 1);
-            }
-            // The values two rows at a time where the shape has a pair kernel.
-            int64_t waiting = -1;  // a row that reaches this span, not yet paired
-            for (int64_t r = rows - 1; r >= 0; --r) {
-              if (i >= first[r + 1] - first[r]) continue;
-              if (waiting < 0) {
-                waiting = r;
-                continue;
-              }
-              const bool prefetch = waiting == rows - 1;
-              if (!value_span_pair(vc, span_offsets.data(), group, head_dim, len_of(waiting), scores_of(waiting), part_of(waiting), len_of(r),
-                                   scores_of(r), part_of(r), prefetch)) {
-                value_span(vc, span_offsets.data(), len_of(waiting), group, head_dim, scores_of(waiting), part_of(waiting), prefetch);
-                value_span(vc, span_offsets.data(), len_of(r), group, head_dim, scores_of(r), part_of(r), false);
-              }
-              waiting = -1;
-            }
-            if (waiting >= 0)
-              value_span(vc, span_offsets.data(), len_of(waiting), group, head_dim, scores_of(waiting), part_of(waiting), waiting == rows - 1);
-          }
-          for (int64_t r = 0; r < rows; ++r)
-            merge_spans(partial.data() + first[r] * stride, first[r + 1] - first[r], group, head_dim,
-                        op + ((b0 + r) * num_heads + kvh * group) * head_dim);
+      // Few rows (decode): every span is its own task, so one long sequence still
+      // spreads over every thread; then the spans of each (row, kv head) merge.
+      std::vector<AttentionSpan> spans;
+      std::vector<int64_t> first_span(tasks + 1);
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+          first_span[b * num_kv_heads + h] = static_cast<int64_t>(spans.size());
+          for (int64_t t = 0; t < lens[b]; t += span_len) spans.push_back({b, h, t, std::min(lens[b], t + span_len)});
+        }
+      }
+      first_span[tasks] = static_cast<int64_t>(spans.size());
+      const int64_t n_spans = static_cast<int64_t>(spans.size());
+      std::vector<float> partial(n_spans * stride);
+      at::parallel_for(0, n_spans, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scores(group * span_len);
+        for (int64_t i = begin; i < end; ++i) {
+          const AttentionSpan& span = spans[i];
+          float* part = partial.data() + i * stride;
+          attend_span(qp + (span.seq * num_heads + span.kv_head * group) * head_dim, kc, vc, table_of(span.seq), span, group, head_dim,
+                      kv_width, block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
         }
       });
-      return;
-    }
-    // Few rows (decode): every span is its own task, so one long sequence still
-    // spreads over every thread; then the spans of each (row, kv head) merge.
-    std::vector<AttentionSpan> spans;
-    std::vector<int64_t> first_span(tasks + 1);
-    for (int64_t b = 0; b < batch; ++b) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        first_span[b * num_kv_heads + h] = static_cast<int64_t>(spans.size());
-        for (int64_t t = 0; t < lens[b]; t += span_len) spans.push_back({b, h, t, std::min(lens[b], t + span_len)});
-      }
-    }
-    first_span[tasks] = static_cast<int64_t>(spans.size());
-    const int64_t n_spans = static_cast<int64_t>(spans.size());
-    std::vector<float> partial(n_spans * stride);
-    at::parallel_for(0, n_spans, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores(group * span_len);
-      for (int64_t i = begin; i < end; ++i) {
-        const AttentionSpan& span = spans[i];
-        float* part = partial.data() + i * stride;
-        attend_span(qp + (span.seq * num_heads + span.kv_head * group) * head_dim, kc, vc, table_of(span.seq), span, group, head_dim,
-                    kv_width, block_size, sc, scores.data(), part, part + group * head_dim, part + group * (head_dim + 1));
+      for (int64_t task = 0; task < tasks; ++task) {
+        const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
+        merge_spans(partial.data() + first_span[task] * stride, first_span[task + 1] - first_span[task], group, head_dim,
+                    op + (b * num_heads + kvh * group) * head_dim);
       }
     });
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / num_kv_heads, kvh = task % num_kv_heads;
-      merge_spans(partial.data() + first_span[task] * stride, first_span[task + 1] - first_span[task], group, head_dim,
-                  op + (b * num_heads + kvh * group) * head_dim);
-    }
   });
 }
 
@@ -1731,27 +1783,39 @@ inline void pack_row_int8(const float* x, int64_t d, int8_t* out, at::Half* scal
 
 std::vector<Tensor> pack_kv_int8(Tensor kv, Tensor block_ids, int64_t head_dim) {
   check_contiguous(kv, "kv");
-  TORCH_CHECK(kv.scalar_type() == at::kFloat && kv.dim() == 4, "pack_kv_int8: kv must be float32 (L, 2, blocks, R)");
+  TORCH_CHECK(kv.dim() == 4, "pack_kv_int8: kv must be (L, 2, blocks, R)");
   const int64_t planes = kv.size(0) * kv.size(1), num_blocks = kv.size(2), r = kv.size(3);
-  TORCH_CHECK(head_dim > 0 && r % head_dim == 0, "pack_kv_int8: a block row must hold whole heads");
+  TORCH_CHECK(head_dim > 0 && head_dim <= 512 && r % head_dim == 0, "pack_kv_int8: a block row must hold whole heads of at most 512");
   Tensor ids = block_ids.to(at::kLong).contiguous();
   const int64_t n = ids.numel(), rows = r / head_dim;
   const int64_t* idp = ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(idp[i] >= 0 && idp[i] < num_blocks, "pack_kv_int8: block id out of range");
   Tensor data = torch::empty({kv.size(0), kv.size(1), n, r}, kv.options().dtype(at::kChar));
   Tensor scales = torch::empty({kv.size(0), kv.size(1), n, rows}, kv.options().dtype(at::kHalf));
-  const float* src = kv.data_ptr<float>();
   int8_t* dst = data.data_ptr<int8_t>();
   at::Half* sp = scales.data_ptr<at::Half>();
-  for (int64_t p = 0; p < planes; ++p) {
-    for (int64_t i = 0; i < n; ++i) {
-      const float* block = src + (p * num_blocks + idp[i]) * r;
-      const int64_t o = p * n + i;
-      for (int64_t row = 0; row < rows; ++row) {
-        pack_row_int8(block + row * head_dim, head_dim, dst + o * r + row * head_dim, sp + o * rows + row);
+  // A float16 pool's rows are widened to float32 first (exact): the torch path's kv.float().
+  with_kv_ptr(kv, [&](const auto* src) {
+    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
+    float widened[512];
+    for (int64_t p = 0; p < planes; ++p) {
+      for (int64_t i = 0; i < n; ++i) {
+        const KV* block = src + (p * num_blocks + idp[i]) * r;
+        const int64_t o = p * n + i;
+        for (int64_t row = 0; row < rows; ++row) {
+          const KV* x = block + row * head_dim;
+          const float* xf = nullptr;
+          if constexpr (std::is_same_v<KV, float>) {
+            xf = x;
+          } else {
+            for (int64_t j = 0; j < head_dim; ++j) widened[j] = static_cast<float>(x[j]);
+            xf = widened;
+          }
+          pack_row_int8(xf, head_dim, dst + o * r + row * head_dim, sp + o * rows + row);
+        }
       }
     }
-  }
+  });
   return {data, scales};
 }
 

@@ -152,9 +152,11 @@ class Attention(nn.Module):
         bias = torch.cat([w["q_bias"], w["k_bias"], w["v_bias"]]) if config.attention_bias else None
         self.register_buffer("qkv_bias", None if bias is None else bias.to(device=device, dtype=torch.float32))
         self.o = make_linear(w["o"], w.get("o_bias"), numerics)
+        # Attention runs in the model dtype whatever the cache holds: a float16 cache
+        # (EngineConfig.kv_cache_dtype) is read as float32, as the kernels read it.
         # Measured: torch's CPU flash attention is slower in bfloat16 (398 ms for a
-        # 1,000-token prompt) than in float32 (338 ms), so prompts attend in the model dtype.
-        self.prefill_attention_dtype = dtype
+        # 1,000-token prompt) than in float32 (338 ms).
+        self.attention_dtype = dtype
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -217,10 +219,11 @@ class Attention(nn.Module):
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         b = q.shape[0]
-        keys = k_cache[meta.decode_slots].transpose(1, 2)  # (B, KV, L, Hd)
-        values = v_cache[meta.decode_slots].transpose(1, 2)
+        dtype = self.attention_dtype
+        keys = k_cache[meta.decode_slots].transpose(1, 2).to(dtype)  # (B, KV, L, Hd)
+        values = v_cache[meta.decode_slots].transpose(1, 2).to(dtype)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2).to(keys.dtype), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
+            q.unsqueeze(2).to(dtype), keys, values, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=True
         )  # (B, H, 1, Hd)
         return out.reshape(b, self.q_size)
 
@@ -233,7 +236,7 @@ class Attention(nn.Module):
             slots, mask, causal = meta.slot_mapping[seg.start : seg.end], None, True
         else:
             slots, mask, causal = seg.context_slots, seg.mask, False
-        dtype = self.prefill_attention_dtype
+        dtype = self.attention_dtype
         keys, values = k_cache[slots].to(dtype), v_cache[slots].to(dtype)  # (ctx, KV, Hd)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0).to(dtype),  # (1, H, n, Hd)

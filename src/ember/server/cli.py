@@ -28,6 +28,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--device", default=_E.device, help="torch device: cpu, cuda, cuda:1 ...")
     m.add_argument("--threads", type=int, default=_E.threads, help="torch intra-op threads (0: torch's default)")
     m.add_argument("--kv-cache-mb", type=int, default=_E.kv_cache_bytes // MIB, help="memory budget of the KV block pool, MiB")
+    m.add_argument(
+        "--kv-cache-dtype",
+        default=_E.kv_cache_dtype,
+        choices=["auto", "float16"],
+        help="KV cache element type; auto: --dtype. float16 holds twice the tokens and reads half the bytes, "
+        "but rounds keys and values: answers may change (README, Numerics)",
+    )
     m.add_argument("--block-size", type=int, default=_E.block_size, help="tokens per KV block")
     m.add_argument(
         "--max-num-batched-tokens", type=int, default=_E.max_num_batched_tokens, help="per-step token budget (prefill chunk size)"
@@ -166,6 +173,7 @@ def configs_from_args(args: argparse.Namespace) -> tuple[ServerConfig, EngineCon
         threads=args.threads,
         block_size=args.block_size,
         kv_cache_bytes=args.kv_cache_mb * MIB,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

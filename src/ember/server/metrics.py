@@ -91,6 +91,9 @@ class ServerMetrics:
         self.waiting = Gauge("llm_requests_waiting", "Requests queued (engine and admission).", m, registry=r)
         self.kv_usage = Gauge("llm_kv_cache_usage_ratio", "Fraction of KV blocks referenced by requests or hot sessions.", m, registry=r)
         self.kv_bytes = Gauge("llm_kv_cache_bytes", "Bytes of the preallocated KV block pool.", m, registry=r)
+        self.kv_capacity = Gauge(
+            "llm_kv_cache_capacity_tokens", "Tokens the KV block pool holds (twice as many with a float16 cache).", m, registry=r
+        )
         self.degraded = Gauge("llm_degraded", "1 while the degradation controller is engaged.", m, registry=r)
         self.rejected = Counter("llm_requests_rejected", "Requests refused by admission control.", [*m, "reason", "priority"], registry=r)
         self.max_tokens_clamped = Counter(
@@ -107,13 +110,19 @@ class ServerMetrics:
         )
 
     def bind_gauges(
-        self, running: Callable[[], float], waiting: Callable[[], float], kv_usage: Callable[[], float], kv_bytes: Callable[[], float]
+        self,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        kv_usage: Callable[[], float],
+        kv_bytes: Callable[[], float],
+        kv_capacity_tokens: Callable[[], float],
     ) -> None:
         """Read live engine state at scrape time instead of pushing it every step."""
         self.running.labels(self.model).set_function(running)
         self.waiting.labels(self.model).set_function(waiting)
         self.kv_usage.labels(self.model).set_function(kv_usage)
         self.kv_bytes.labels(self.model).set_function(kv_bytes)
+        self.kv_capacity.labels(self.model).set_function(kv_capacity_tokens)
 
     def bind_engine(self, snapshot: Callable[[], EngineSnapshot]) -> None:
         """Export counters the engine keeps itself (prefix cache, session tiers) from its latest snapshot."""

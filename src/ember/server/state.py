@@ -131,6 +131,7 @@ class ServerState:
             waiting=lambda: engine.snapshot.waiting + self.admission.num_waiting,
             kv_usage=lambda: engine.snapshot.kv_usage,
             kv_bytes=lambda: engine.info.kv_cache_bytes,
+            kv_capacity_tokens=lambda: engine.info.kv_capacity_tokens,
         )
         self.metrics.bind_engine(lambda: engine.snapshot)
 

@@ -1,0 +1,75 @@
+"""The opt-in float16 KV cache (``EngineConfig.kv_cache_dtype``): twice the tokens, answers within a measured agreement.
+
+The kernels read float16 keys and values as float32 and do float32's arithmetic
+(tests/model/test_kernels.py proves the bits), so the only change is the rounding
+of what is stored. That rounding can change a token, which is why the cache is
+opt-in: this file prints how often it does.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import final_tokens, greedy, run_all, teacher_forced_agreement
+from test_int8 import AGREEMENT_PROMPTS
+
+from ember.engine.kv_cache import bytes_per_block
+from ember.errors import InvalidSamplingParamsError
+
+pytestmark = pytest.mark.timeout(600)
+BUDGET = 64 * 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def float32_cache(make_engine):
+    return make_engine(kv_cache_bytes=BUDGET)
+
+
+@pytest.fixture(scope="module")
+def float16_cache(make_engine):
+    return make_engine(kv_cache_bytes=BUDGET, kv_cache_dtype="float16")
+
+
+def test_a_float16_cache_holds_twice_the_tokens_in_the_same_budget(float32_cache, float16_cache):
+    assert float32_cache.kv.kv.dtype == torch.float32 and float16_cache.kv.kv.dtype == torch.float16
+    config, block = float16_cache.model_config, float16_cache.kv.block_size
+    assert float16_cache.kv.bytes_per_block * 2 == float32_cache.kv.bytes_per_block == bytes_per_block(config, block, torch.float32)
+    assert float16_cache.kv.num_blocks == BUDGET // bytes_per_block(config, block, torch.float16)
+    assert float16_cache.kv.capacity_tokens >= 2 * float32_cache.kv.capacity_tokens
+
+
+def test_an_unknown_cache_dtype_is_refused_by_name(make_engine):
+    with pytest.raises(InvalidSamplingParamsError, match="kv_cache_dtype"):
+        make_engine(kv_cache_dtype="int4")
+
+
+def _greedy_runs(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"p{i}", ids, greedy(max_tokens, ignore_eos=True))
+    outputs = run_all(engine)
+    return [final_tokens(outputs[f"p{i}"]) for i in range(len(prompts))]
+
+
+def test_float16_cache_agreement_with_the_float32_cache(float32_cache, float16_cache, fp32_engine):
+    """8 prompts x 64 greedy tokens (int8 weights, the default), the float16 cache against the float32 one.
+
+    Teacher-forced: both fed the float32 cache's tokens, how often they pick the
+    same top token; free-running: how many of the 8 answers are the same token
+    for token. And against the float32 reference model, next to the default
+    int8 mode's own agreement, so the float16 cache's share of the error shows.
+    """
+    prompts = [float32_cache.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in AGREEMENT_PROMPTS]
+    default_answers = _greedy_runs(float32_cache, prompts, 64)
+    float16_answers = _greedy_runs(float16_cache, prompts, 64)
+    identical = sum(a == b for a, b in zip(default_answers, float16_answers))
+    rate, error = teacher_forced_agreement(float32_cache, float16_cache, list(zip(prompts, default_answers)))
+    reference = list(zip(prompts, _greedy_runs(fp32_engine, prompts, 64)))
+    default_vs_reference, _ = teacher_forced_agreement(fp32_engine, float32_cache, reference)
+    float16_vs_reference, _ = teacher_forced_agreement(fp32_engine, float16_cache, reference)
+    print(
+        f"\nfloat16 KV cache vs float32 KV cache (int8 weights), {64 * len(prompts)} positions: teacher-forced top-1 "
+        f"agreement {rate:.2%} (mean |logit error| {error:.4f}); identical greedy answers {identical} of {len(prompts)}\n"
+        f"against the float32 reference model: float32 cache {default_vs_reference:.2%}, float16 cache {float16_vs_reference:.2%}"
+    )
+    assert rate >= 0.99, "the float16 cache disagrees with float32's more than measured"
+    assert float16_vs_reference >= default_vs_reference - 0.01, "the float16 cache costs more accuracy than measured"
