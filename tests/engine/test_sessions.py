@@ -26,9 +26,11 @@ class FakeClock:
         self.t += seconds
 
 
-def make(loaded_model, clock, *, kv_mb=128, fmt="exact", quantization="none", **session_overrides) -> LLMEngine:
+def make(
+    loaded_model, clock, *, kv_mb=128, fmt="exact", quantization="none", kv_cache_dtype="auto", **session_overrides
+) -> LLMEngine:
     sessions = replace(SessionConfig(hot_ttl_s=300, warm_ttl_s=3600, warm_format=fmt), **session_overrides)
-    config = EngineConfig(dtype="float32", quantization=quantization, kv_cache_bytes=kv_mb * MB)
+    config = EngineConfig(dtype="float32", quantization=quantization, kv_cache_bytes=kv_mb * MB, kv_cache_dtype=kv_cache_dtype)
     return LLMEngine(config=config, loaded=loaded_model, sessions=sessions, clock=clock)
 
 
@@ -136,15 +138,16 @@ def test_spill_to_disk_and_budgets_hold(loaded_model, tmp_path):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("quantization", ["none", "int8"])  # float32 and the default int8: both batch-invariant
+# float32 and the default int8, both batch-invariant; and int8 with the opt-in float16 KV cache.
+@pytest.mark.parametrize(("quantization", "kv_cache_dtype"), [("none", "auto"), ("int8", "auto"), ("int8", "float16")])
 @pytest.mark.parametrize("where", ["hot", "ram", "disk", "cold"])
-def test_continuation_identical_from_every_tier(loaded_model, tmp_path, where, quantization):
+def test_continuation_identical_from_every_tier(loaded_model, tmp_path, where, quantization, kv_cache_dtype):
     """The second turn's tokens are those of a fresh engine that computes the whole conversation (exact warm format)."""
     clock = FakeClock()
     kwargs = {"session_dir": str(tmp_path)} if where == "disk" else {}
     if where == "disk":
         kwargs["warm_memory_bytes"] = 1  # everything demoted goes straight to disk
-    engine = make(loaded_model, clock, quantization=quantization, **kwargs)
+    engine = make(loaded_model, clock, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **kwargs)
     _, reply = turn(engine, "conv", HISTORY, "first")
     if where in ("ram", "disk", "cold"):
         clock.advance(301)
@@ -159,7 +162,7 @@ def test_continuation_identical_from_every_tier(loaded_model, tmp_path, where, q
     tier = outs[-1].cache_tier
     assert tier == {"hot": "hot", "ram": "warm", "disk": "disk", "cold": "cold"}[where]
 
-    reference = make(loaded_model, FakeClock(), quantization=quantization)
+    reference = make(loaded_model, FakeClock(), quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     reference.add_request("ref", engine.tokenizer.encode_chat(second_turn_messages(reply)), greedy(32, ignore_eos=True))
     assert text == "".join(o.text_delta for o in run_all(reference)["ref"])
     if where != "cold":

@@ -380,7 +380,10 @@ def test_model_with_and_without_kernels_agree(loaded_model, kv_cache_dtype):
     plain.runner.model = plain.model
     assert fused.model.kernels is not None and plain.model.kernels is None
     ids = fused.tokenizer.encode("The fused kernels must not change the answer.")
-    torch.testing.assert_close(prefill_forward(fused, ids), prefill_forward(plain, ids), rtol=1e-4, atol=1e-3)
+    # With a float16 cache a float32 rounding difference in the rotary (torch's and the
+    # kernel's) can round a key to the neighbouring float16: measured up to 0.006 in a logit.
+    atol = 1e-3 if kv_cache_dtype == "auto" else 1e-2
+    torch.testing.assert_close(prefill_forward(fused, ids), prefill_forward(plain, ids), rtol=1e-4, atol=atol)
     for engine in (fused, plain):
         engine.add_request("g", ids, greedy(12, ignore_eos=True))
     from helpers import final_tokens, run_all
