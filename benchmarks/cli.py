@@ -47,6 +47,11 @@ EXPERIMENTS: list[Experiment] = [
     ),
     Experiment("front-door", "starts a server: decode, TTFT, 16 streams, prefill and multi-turn through HTTP vs in process", "front_door"),
     Experiment(
+        "kv-cache",
+        "starts servers: 16 streams with short and ~1,000-token prompts, float32 vs the opt-in float16 KV cache, HTTP and in process",
+        "kv_cache_bench",
+    ),
+    Experiment(
         "restore-stall",
         "the engine alone, in process: another stream's inter-token gaps during a warm restore from disk, now vs before",
         "restore_stall",
