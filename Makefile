@@ -96,6 +96,7 @@ bench-speculation: test-setup
 
 bench-server: test-setup
 	$(BIN)/python -m benchmarks front-door --threads $(THREADS)
+	$(BIN)/python -m benchmarks kv-cache --threads $(THREADS)
 
 bench-sessions: test-setup
 	$(BIN)/python -m benchmarks tiers --threads $(THREADS)

@@ -3,10 +3,12 @@
 Two ``ember serve`` processes side by side (``make serve``'s defaults, one with
 ``--kv-cache-dtype float16``; both ``--kv-cache-mb 1024``, so that 16 long
 conversations fit in either and the comparison is the cache's bytes, not its
-capacity) and two ``AsyncEngine`` instances in this process, driven through
-the front-door bench's fronts (aiohttp SSE; in process as the server's routes
-drive it). Each round visits all four in turn, the order reversed every other
-round, so a slow stretch of this machine falls on every column.
+capacity), driven by the front-door bench's aiohttp SSE client, and two
+``LLMEngine`` instances stepped on this process's main thread (two
+``AsyncEngine`` threads in one process would each open an OpenMP pool and
+throttle both: engine/compute_threads.py). Each round visits all four in
+turn, the order reversed every other round, so a slow stretch of this machine
+falls on every column.
 
 Workloads, 16 streams x 200 tokens at temperature 0 with ``ignore_eos`` (each
 prompt cache-busted):
@@ -33,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.front_door import AiohttpFront, Front, InProcessFront, StreamResult
+from benchmarks.front_door import AiohttpFront, StreamResult
 from benchmarks.servers import ServerProcess
 from ember.bench.workloads import STORY_TOPICS, cache_busting_prefix, filler_text
 
@@ -64,10 +66,42 @@ def _prompts(workload: str, streams: int, long_words: int, rng: random.Random) -
     return prompts
 
 
-async def _burst(front: Front, prompts: list[list[dict[str, str]]], tokens: int) -> tuple[dict[str, float], list[str]]:
+def _engine_burst(engine: Any, prompts: list[list[dict[str, str]]], tokens: int) -> tuple[list[StreamResult], float]:
+    """The burst on an ``LLMEngine``, stepped here until every request finished (a StreamResult each, and the wall time)."""
+    from ember.engine.sampling import SamplingParams
+
     started = time.perf_counter()
-    results: list[StreamResult] = await asyncio.gather(*(front.chat(p, max_tokens=tokens, ignore_eos=True) for p in prompts))
-    wall = time.perf_counter() - started
+    ids = [engine.tokenizer.encode_chat(p) for p in prompts]
+    for i, prompt in enumerate(ids):
+        engine.add_request(f"kv-{i}", prompt, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    texts: dict[str, list[str]] = {}
+    while engine.has_unfinished():
+        outputs = engine.step()
+        now = time.perf_counter()
+        for out in outputs:
+            if out.new_token_ids:
+                first.setdefault(out.request_id, now)
+                last[out.request_id] = now
+                counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
+            texts.setdefault(out.request_id, []).append(out.text_delta)
+    end = time.perf_counter()
+    results = [
+        StreamResult(first[r] - started, end - started, counts[r], last[r] - first[r], len(ids[i]), 0, "".join(texts[r]))
+        for i, r in enumerate(f"kv-{i}" for i in range(len(ids)))
+    ]
+    return results, end - started
+
+
+async def _burst(front: Any, prompts: list[list[dict[str, str]]], tokens: int) -> tuple[dict[str, float], list[str]]:
+    if isinstance(front, AiohttpFront):
+        started = time.perf_counter()
+        results: list[StreamResult] = await asyncio.gather(*(front.chat(p, max_tokens=tokens, ignore_eos=True) for p in prompts))
+        wall = time.perf_counter() - started
+    else:
+        results, wall = _engine_burst(front, prompts, tokens)
     figures = {
         "output_tps": sum(r.tokens for r in results) / wall,
         "stream_decode_tps": statistics.fmean(r.decode_tps for r in results),
@@ -78,19 +112,22 @@ async def _burst(front: Front, prompts: list[list[dict[str, str]]], tokens: int)
 
 async def _measure(args: argparse.Namespace, urls: dict[str, str]) -> tuple[dict[str, dict[str, list[dict[str, float]]]], dict[str, float]]:
     from ember.config import EngineConfig
-    from ember.engine.async_engine import AsyncEngine
+    from ember.engine.engine import LLMEngine
+    from ember.model.loader import load_model
 
     fronts: dict[str, Any] = {f"HTTP, {cache}": AiohttpFront(url) for cache, url in urls.items()}
-    engines = []
     if not args.skip_in_process:
+        loaded = load_model(None)
         for cache, dtype in CACHES.items():
-            engine = AsyncEngine.for_model(None, EngineConfig(threads=args.threads, kv_cache_bytes=POOL_MB << 20, kv_cache_dtype=dtype))
-            await engine.start_async()
-            engines.append(engine)
-            fronts[f"in process, {cache}"] = InProcessFront(engine)
+            config = EngineConfig(threads=args.threads, kv_cache_bytes=POOL_MB << 20, kv_cache_dtype=dtype)
+            fronts[f"in process, {cache}"] = LLMEngine(None, config, loaded=loaded)
     runs: dict[str, dict[str, list[dict[str, float]]]] = {name: {w: [] for w in WORKLOADS} for name in fronts}
     same: dict[str, list[float]] = {w: [] for w in WORKLOADS}
     try:
+        # Warm-up: a first burst pays for allocations and lazy initialisation (measured: 0.65x).
+        warm = _prompts("short", args.streams, args.long_words, random.Random(-1))
+        for front in fronts.values():
+            await _burst(front, warm, 8)
         for index in range(args.rounds):
             rng = random.Random(index)
             order = list(fronts) if index % 2 == 0 else list(reversed(fronts))
@@ -106,17 +143,15 @@ async def _measure(args: argparse.Namespace, urls: dict[str, str]) -> tuple[dict
                     if a is not None and b is not None:
                         same[workload].append(sum(x == y for x, y in zip(a, b, strict=True)) / len(a))
     finally:
-        for name, front in fronts.items():
-            if name.startswith("HTTP"):
+        for front in fronts.values():
+            if isinstance(front, AiohttpFront):
                 await front.close()
-        for engine in engines:
-            engine.stop()
     return runs, {w: statistics.fmean(v) for w, v in same.items() if v}
 
 
 def main(args: argparse.Namespace) -> int:
     servers = {
-        cache: ServerProcess("--kv-cache-dtype", dtype, "--kv-cache-mb", str(POOL_MB), threads=args.threads)
+        cache: ServerProcess("--kv-cache-dtype", dtype, "--kv-cache-mb", str(POOL_MB), "--request-timeout", "600", threads=args.threads)
         for cache, dtype in CACHES.items()
     }
     try:
@@ -126,9 +161,13 @@ def main(args: argparse.Namespace) -> int:
     finally:
         for server in servers.values():
             server.stop()
-    median = {name: {w: {k: statistics.median(r[k] for r in rounds) for k in rounds[0]} for w, rounds in by.items()} for name, by in runs.items()}
+    median = {
+        name: {w: {k: statistics.median(r[k] for r in rounds) for k in rounds[0]} for w, rounds in by.items()} for name, by in runs.items()
+    }
     print(f"\nKV cache float32 vs float16: {args.streams} streams x {args.tokens} tokens, greedy, median of {args.rounds} rounds")
-    print("| workload | path | prompt tokens | float32 tok/s | float16 tok/s | float16 / float32 | per-stream decode tok/s, float32 -> float16 |")
+    print(
+        "| workload | path | prompt tokens | float32 tok/s | float16 tok/s | float16 / float32 | per-stream decode tok/s, float32 -> float16 |"
+    )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for workload in WORKLOADS:
         for where in ("HTTP", "in process"):
