@@ -17,8 +17,10 @@ prompt cache-busted):
 * **long**: each stream with its own ~1,000-token prompt, the length of a
   conversation some turns in, where attention reads the most cache per step.
 
-Figures (median of the rounds): output tok/s over the burst's wall time, and
-the mean of each stream's own decode rate (first to last token). The answers of
+Figures (median of the rounds): output tok/s over the burst's wall time, the
+mean of each stream's own decode rate (first to last token), and in process the
+median duration of the steps where every stream decodes (no prompt chunk in
+the step: the cache's effect on decode alone). The answers of
 the two caches are compared token for token and the share that is identical is
 printed (the float16 cache is opt-in because it may change a token;
 tests/engine/test_kv_cache_dtype.py bounds the agreement).
@@ -66,8 +68,9 @@ def _prompts(workload: str, streams: int, long_words: int, rng: random.Random) -
     return prompts
 
 
-def _engine_burst(engine: Any, prompts: list[list[dict[str, str]]], tokens: int) -> tuple[list[StreamResult], float]:
-    """The burst on an ``LLMEngine``, stepped here until every request finished (a StreamResult each, and the wall time)."""
+def _engine_burst(engine: Any, prompts: list[list[dict[str, str]]], tokens: int) -> tuple[list[StreamResult], float, float]:
+    """The burst on an ``LLMEngine``, stepped here until every request finished: a StreamResult each, the
+    wall time, and the median duration of the steps that only decode (every prompt done, none finished)."""
     from ember.engine.sampling import SamplingParams
 
     started = time.perf_counter()
@@ -78,9 +81,14 @@ def _engine_burst(engine: Any, prompts: list[list[dict[str, str]]], tokens: int)
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
     texts: dict[str, list[str]] = {}
+    decode_steps: list[float] = []
     while engine.has_unfinished():
+        all_decoding = len(first) == len(ids)
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        if all_decoding and len(outputs) == len(ids) and not any(out.finished for out in outputs):
+            decode_steps.append(now - before)
         for out in outputs:
             if out.new_token_ids:
                 first.setdefault(out.request_id, now)
@@ -92,7 +100,7 @@ def _engine_burst(engine: Any, prompts: list[list[dict[str, str]]], tokens: int)
         StreamResult(first[r] - started, end - started, counts[r], last[r] - first[r], len(ids[i]), 0, "".join(texts[r]))
         for i, r in enumerate(f"kv-{i}" for i in range(len(ids)))
     ]
-    return results, end - started
+    return results, end - started, statistics.median(decode_steps) if decode_steps else float("nan")
 
 
 async def _burst(front: Any, prompts: list[list[dict[str, str]]], tokens: int) -> tuple[dict[str, float], list[str]]:
@@ -100,12 +108,14 @@ async def _burst(front: Any, prompts: list[list[dict[str, str]]], tokens: int) -
         started = time.perf_counter()
         results: list[StreamResult] = await asyncio.gather(*(front.chat(p, max_tokens=tokens, ignore_eos=True) for p in prompts))
         wall = time.perf_counter() - started
+        step_s = float("nan")  # not visible through HTTP
     else:
-        results, wall = _engine_burst(front, prompts, tokens)
+        results, wall, step_s = _engine_burst(front, prompts, tokens)
     figures = {
         "output_tps": sum(r.tokens for r in results) / wall,
         "stream_decode_tps": statistics.fmean(r.decode_tps for r in results),
         "prompt_tokens": statistics.fmean(r.prompt_tokens for r in results),
+        "decode_step_ms": 1e3 * step_s,
     }
     return figures, [r.text for r in results]
 
@@ -166,9 +176,10 @@ def main(args: argparse.Namespace) -> int:
     }
     print(f"\nKV cache float32 vs float16: {args.streams} streams x {args.tokens} tokens, greedy, median of {args.rounds} rounds")
     print(
-        "| workload | path | prompt tokens | float32 tok/s | float16 tok/s | float16 / float32 | per-stream decode tok/s, float32 -> float16 |"
+        "| workload | path | prompt tokens | float32 tok/s | float16 tok/s | float16 / float32 | per-stream decode tok/s, float32 -> float16 "
+        "| decode-only step ms, float32 -> float16 |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for workload in WORKLOADS:
         for where in ("HTTP", "in process"):
             if f"{where}, float32" not in median:
@@ -176,7 +187,8 @@ def main(args: argparse.Namespace) -> int:
             a, b = median[f"{where}, float32"][workload], median[f"{where}, float16"][workload]
             print(
                 f"| {workload} | {where} | {a['prompt_tokens']:.0f} | {a['output_tps']:.1f} | {b['output_tps']:.1f} | "
-                f"**{b['output_tps'] / a['output_tps']:.2f}x** | {a['stream_decode_tps']:.1f} -> {b['stream_decode_tps']:.1f} |"
+                f"**{b['output_tps'] / a['output_tps']:.2f}x** | {a['stream_decode_tps']:.1f} -> {b['stream_decode_tps']:.1f} | "
+                + (f"{a['decode_step_ms']:.1f} -> {b['decode_step_ms']:.1f} |" if where == "in process" else "not visible |")
             )
     for workload, share in same.items():
         print(f"answers identical between the caches, {workload}: {share:.0%} of streams")
