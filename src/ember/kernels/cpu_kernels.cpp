@@ -305,11 +305,11 @@ struct AttentionSpan {
   int64_t seq, kv_head, begin, end;
 };
 
-// A cache row as float32 for the plain loops: a float32 row itself, a float16
-// row widened into buf (head_dim <= 512). The loops then run one float32 code
-// for both caches, so a float16 cache gives the bits of a float32 cache holding
-// its values here too (converting inside the loop let the compiler contract or
-// vectorise the two differently).
+// A cache row as float32 for the plain loops and the warm-tier packer: a
+// float32 row itself, a float16 row widened into buf (head_dim <= 512). They
+// then run one float32 code for both caches, so a float16 cache gives the bits
+// of a float32 cache holding its values (converting inside the attention loops
+// let the compiler contract or vectorise the two differently).
 inline const float* float_row(const float* row, int64_t, float*) { return row; }
 inline const float* float_row(const Half* row, int64_t head_dim, float* buf) {
   for (int64_t j = 0; j < head_dim; ++j) buf[j] = static_cast<float>(row[j]);
@@ -1028,7 +1028,7 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
         const int64_t tiles = static_cast<int64_t>(tile_start.size());
         tile_start.push_back(batch);
         const int64_t tile_tasks = tiles * num_kv_heads;
-  #ifdef EMBER_AVX512
+#ifdef EMBER_AVX512
         const TransposedScoresFn transposed_scores = transposed_scores_kernel(group, head_dim);
         TransposedKeys keys_t;
         if (transposed_scores && batch >= TRANSPOSED_MIN_ROWS) {
@@ -1039,7 +1039,7 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
           }
           keys_t = transpose_tile_keys(tile_tables, kc, num_kv_heads, head_dim, block_size, span_len);
         }
-  #endif
+#endif
         at::parallel_for(0, tile_tasks, 1, [&](int64_t begin, int64_t end) {
           std::vector<float> scores(ATTENTION_TILE * group * span_len), partial;
           std::array<int64_t, MAX_SPAN> span_offsets;
@@ -1075,21 +1075,21 @@ void paged_attention(Tensor out, Tensor q, Tensor k_cache, Tensor v_cache, Tenso
               // only took load slots (1.09x without it).
               // Where this sequence's keys are transposed, span_scores_transposed
               // (the same bits) and exp_span; otherwise score_span.
-  #ifdef EMBER_AVX512
+#ifdef EMBER_AVX512
               const float* kt = keys_t.span(tile, i, kvh);
-  #endif
+#endif
               for (int64_t r = rows - 1; r >= 0; --r) {
                 if (i >= first[r + 1] - first[r]) continue;
                 const float* qr = qp + ((b0 + r) * num_heads + kvh * group) * head_dim;
                 float* m = part_of(r) + group * head_dim;
                 float* l = m + group;
-  #ifdef EMBER_AVX512
+#ifdef EMBER_AVX512
                 if (kt != nullptr) {
                   transposed_scores(qr, kt, len_of(r), sc, scores_of(r), m);
                   exp_span(scores_of(r), len_of(r), group, m, l);
                   continue;
                 }
-  #endif
+#endif
                 score_span(qr, kc, span_offsets.data(), len_of(r), group, head_dim, sc, scores_of(r), m, l, r == rows - 1);
               }
               // The values two rows at a time where the shape has a pair kernel.
@@ -1796,22 +1796,14 @@ std::vector<Tensor> pack_kv_int8(Tensor kv, Tensor block_ids, int64_t head_dim) 
   at::Half* sp = scales.data_ptr<at::Half>();
   // A float16 pool's rows are widened to float32 first (exact): the torch path's kv.float().
   with_kv_ptr(kv, [&](const auto* src) {
-    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(src)>>;
     float widened[512];
     for (int64_t p = 0; p < planes; ++p) {
       for (int64_t i = 0; i < n; ++i) {
-        const KV* block = src + (p * num_blocks + idp[i]) * r;
+        const auto* block = src + (p * num_blocks + idp[i]) * r;
         const int64_t o = p * n + i;
         for (int64_t row = 0; row < rows; ++row) {
-          const KV* x = block + row * head_dim;
-          const float* xf = nullptr;
-          if constexpr (std::is_same_v<KV, float>) {
-            xf = x;
-          } else {
-            for (int64_t j = 0; j < head_dim; ++j) widened[j] = static_cast<float>(x[j]);
-            xf = widened;
-          }
-          pack_row_int8(xf, head_dim, dst + o * r + row * head_dim, sp + o * rows + row);
+          const float* x = float_row(block + row * head_dim, head_dim, widened);
+          pack_row_int8(x, head_dim, dst + o * r + row * head_dim, sp + o * rows + row);
         }
       }
     }
