@@ -61,9 +61,11 @@ def _prompts(workload: str, streams: int, long_words: int, rng: random.Random) -
     prompts = []
     for i in range(streams):
         topic = STORY_TOPICS[i % len(STORY_TOPICS)]
-        text = f"{cache_busting_prefix(rng)} Write a long story about {topic}."
+        prefix = cache_busting_prefix(rng)
         if workload == "long":
-            text = f"{cache_busting_prefix(rng)} Notes: {filler_text(long_words, rng)}\nNow write a long story about {topic}."
+            text = f"{prefix} Notes: {filler_text(long_words, rng)}\nNow write a long story about {topic}."
+        else:
+            text = f"{prefix} Write a long story about {topic}."
         prompts.append([{"role": "user", "content": text}])
     return prompts
 
@@ -96,10 +98,10 @@ def _engine_burst(engine: Any, prompts: list[list[dict[str, str]]], tokens: int)
                 counts[out.request_id] = counts.get(out.request_id, 0) + len(out.new_token_ids)
             texts.setdefault(out.request_id, []).append(out.text_delta)
     end = time.perf_counter()
-    results = [
-        StreamResult(first[r] - started, end - started, counts[r], last[r] - first[r], len(ids[i]), 0, "".join(texts[r]))
-        for i, r in enumerate(f"kv-{i}" for i in range(len(ids)))
-    ]
+    results = []
+    for i, prompt in enumerate(ids):
+        r = f"kv-{i}"
+        results.append(StreamResult(first[r] - started, end - started, counts[r], last[r] - first[r], len(prompt), 0, "".join(texts[r])))
     return results, end - started, statistics.median(decode_steps) if decode_steps else float("nan")
 
 
