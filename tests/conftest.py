@@ -31,10 +31,33 @@ def make_engine(loaded_model):
     return make
 
 
+@pytest.fixture(scope="module")
+def int8_engine(make_engine):
+    """The default engine (float32 activations, int8 weights, batch-invariant kernels): what `make serve` runs.
+
+    One per test module: modules that step it leave its prefix cache as they like.
+    """
+    return make_engine(dtype="float32", quantization="int8")
+
+
 @pytest.fixture(scope="session")
 def fp32_engine(make_engine):
     """A float32, unquantized engine: the exact reference numerics."""
     return make_engine(dtype="float32", quantization="none")
+
+
+@pytest.fixture(scope="session")
+def float32_agreement_sequences(fp32_engine) -> list[tuple[list[int], list[int]]]:
+    """Each of AGREEMENT_PROMPTS (chat-templated) with its 64 float32-greedy tokens: what the
+    teacher-forced agreement tests feed every engine mode (computed once per session)."""
+    from helpers import AGREEMENT_PROMPTS, final_tokens, greedy, run_all
+
+    sequences = []
+    for p in AGREEMENT_PROMPTS:
+        ids = fp32_engine.tokenizer.encode_chat([{"role": "user", "content": p}])
+        fp32_engine.add_request("teacher", ids, greedy(64, ignore_eos=True))
+        sequences.append((ids, final_tokens(run_all(fp32_engine)["teacher"])))
+    return sequences
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,19 @@ from ember.engine.engine import LLMEngine
 from ember.engine.request import RequestOutput
 from ember.engine.sampling import SamplingParams
 
+# The fixed prompts the accuracy tests compare engine modes on (teacher-forced agreement).
+AGREEMENT_PROMPTS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Explain photosynthesis to a child.",
+    "Give me three tips for learning Python.",
+    "What is 12 plus 30?",
+    "Describe a cat in one sentence.",
+    "Who wrote Romeo and Juliet?",
+    "Name the largest ocean on Earth.",
+]
+
+
 def greedy(max_tokens: int, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
 

@@ -5,23 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import final_tokens, greedy, prefill_forward, run_all, teacher_forced_agreement
-
-AGREEMENT_PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain photosynthesis to a child.",
-    "Give me three tips for learning Python.",
-    "What is 12 plus 30?",
-    "Describe a cat in one sentence.",
-    "Who wrote Romeo and Juliet?",
-    "Name the largest ocean on Earth.",
-]
-
-
-@pytest.fixture(scope="module")
-def int8_engine(make_engine):
-    return make_engine(dtype="float32", quantization="int8")
+from helpers import AGREEMENT_PROMPTS, prefill_forward, teacher_forced_agreement
 
 
 def test_int8_weights_round_trip_within_half_a_step():
@@ -48,18 +32,14 @@ def test_per_layer_error_is_bounded(fp32_engine, int8_engine):
 
 
 @pytest.mark.timeout(600)
-def test_teacher_forced_agreement_with_float32(fp32_engine, int8_engine, make_engine):
+def test_teacher_forced_agreement_with_float32(fp32_engine, int8_engine, make_engine, float32_agreement_sequences):
     """8 prompts x 64 float32-greedy tokens, fed to both: int8 picks float32's top token nearly everywhere.
 
     Measured 96.7 % (mean logit error 0.214) for the default W8A16 kernels and
     95.7 % (0.216) for the previous int8 path on 2026-12-03; a positional greedy
     comparison would instead count every token after the first divergence.
     """
-    sequences = []
-    for p in AGREEMENT_PROMPTS:
-        ids = fp32_engine.tokenizer.encode_chat([{"role": "user", "content": p}])
-        fp32_engine.add_request("teacher", ids, greedy(64, ignore_eos=True))
-        sequences.append((ids, final_tokens(run_all(fp32_engine)["teacher"])))
+    sequences = float32_agreement_sequences
     rate, error = teacher_forced_agreement(fp32_engine, int8_engine, sequences)
     previous_rate, previous_error = teacher_forced_agreement(fp32_engine, make_engine(quantization="int8", batch_invariant=False), sequences)
     print(

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import final_tokens, greedy, run_all, teacher_forced_agreement
-from test_int8 import AGREEMENT_PROMPTS
+from helpers import AGREEMENT_PROMPTS, final_tokens, greedy, run_all, teacher_forced_agreement
 
 from ember.engine.kv_cache import bytes_per_block
 from ember.errors import InvalidSamplingParamsError
@@ -50,7 +49,7 @@ def _greedy_runs(engine, prompts: list[list[int]], max_tokens: int) -> list[list
     return [final_tokens(outputs[f"p{i}"]) for i in range(len(prompts))]
 
 
-def test_float16_cache_agreement_with_the_float32_cache(float32_cache, float16_cache, fp32_engine):
+def test_float16_cache_agreement_with_the_float32_cache(float32_cache, float16_cache, fp32_engine, float32_agreement_sequences):
     """8 prompts x 64 greedy tokens (int8 weights, the default), the float16 cache against the float32 one.
 
     Teacher-forced: both fed the float32 cache's tokens, how often they pick the
@@ -61,9 +60,10 @@ def test_float16_cache_agreement_with_the_float32_cache(float32_cache, float16_c
     prompts = [float32_cache.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in AGREEMENT_PROMPTS]
     default_answers = _greedy_runs(float32_cache, prompts, 64)
     float16_answers = _greedy_runs(float16_cache, prompts, 64)
-    identical = sum(a == b for a, b in zip(default_answers, float16_answers))
-    rate, error = teacher_forced_agreement(float32_cache, float16_cache, list(zip(prompts, default_answers)))
-    reference = list(zip(prompts, _greedy_runs(fp32_engine, prompts, 64)))
+    identical = sum(a == b for a, b in zip(default_answers, float16_answers, strict=True))
+    rate, error = teacher_forced_agreement(float32_cache, float16_cache, list(zip(prompts, default_answers, strict=True)))
+    reference = float32_agreement_sequences
+    assert [ids for ids, _ in reference] == prompts
     default_vs_reference, _ = teacher_forced_agreement(fp32_engine, float32_cache, reference)
     float16_vs_reference, _ = teacher_forced_agreement(fp32_engine, float16_cache, reference)
     print(

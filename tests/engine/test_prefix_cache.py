@@ -50,12 +50,6 @@ def test_conversation_turn_reuses_generated_tokens(fp32_engine):
     assert second[-1].num_cached_tokens == ((len(history) - 1) // bs) * bs
 
 
-@pytest.fixture(scope="module")
-def int8_engine(make_engine):
-    """The default engine (int8, batch-invariant kernels): what `make serve` runs."""
-    return make_engine()
-
-
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("mode", ["int8_engine", "fp32_engine"])
 def test_requests_admitted_in_one_step_compute_their_shared_prefix_once(mode, request):
