@@ -12,6 +12,8 @@ from typing import Literal
 Dtype = Literal["float32", "bfloat16"]
 Quantization = Literal["none", "int8", "int4", "w8a8"]
 KVCacheDtype = Literal["auto", "float16"]
+# How demoted (warm) KV is stored: engine/warm_storage.py.
+WarmFormat = Literal["int8", "bf16", "exact"]
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,7 @@ class SessionConfig:
     session_dir: str | None = None
     warm_disk_bytes: int = 8 * 1024 * 1024 * 1024
     # How warm KV is stored: "int8" (~3.8x smaller), "bf16" (2x), "exact".
-    warm_format: str = "int8"
+    warm_format: WarmFormat = "int8"
     # With a session_dir: seconds a hot conversation must be idle before a copy of
     # its KV is written there (it stays hot), so that a replica killed without
     # warning leaves it warm rather than cold. Negative: never.

@@ -38,11 +38,13 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, get_args
 
 import torch
 
-WARM_FORMATS = ("int8", "bf16", "exact")
+from ember.config import WarmFormat
+
+WARM_FORMATS: tuple[str, ...] = get_args(WarmFormat)
 FILE_VERSION = "2"  # 2: SHA-256 checksum (1 was blake2b)
 CHUNK_BYTES = 256 * 1024
 SUFFIX = ".ekv"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import get_args
 
-from ember.config import PROFILE_PRESETS, EngineConfig, ServerConfig, SessionConfig
+from ember.config import PROFILE_PRESETS, Dtype, EngineConfig, KVCacheDtype, ServerConfig, SessionConfig, WarmFormat
 
 _E, _S, _SS = EngineConfig(), ServerConfig(), SessionConfig()
 MIB = 1024 * 1024
@@ -21,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", default=None, help="GGUF file or Hugging Face directory; omit for the embedded model")
     m.add_argument("--served-model-name", default=None, help="model id reported by the API (default: the model's name)")
-    m.add_argument("--dtype", default=_E.dtype, choices=["float32", "bfloat16"], help="activation and KV-cache dtype")
+    m.add_argument("--dtype", default=_E.dtype, choices=get_args(Dtype), help="activation and KV-cache dtype")
     m.add_argument(
         "--quantization", default=_E.quantization, choices=["none", "int8", "w8a8"], help="weight quantization (see README, Numerics)"
     )
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--kv-cache-dtype",
         default=_E.kv_cache_dtype,
-        choices=["auto", "float16"],
+        choices=get_args(KVCacheDtype),
         help="KV cache element type; auto: --dtype. float16 holds twice the tokens and reads half the bytes, "
         "but rounds keys and values: answers may change (README, Numerics)",
     )
@@ -151,7 +152,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--warm-memory-mb", type=int, default=_SS.warm_memory_bytes // MIB, help="RAM budget of the warm tier, MiB")
     t.add_argument("--session-dir", default=_SS.session_dir, help="directory where warm state spills and survives restarts")
     t.add_argument("--warm-disk-mb", type=int, default=_SS.warm_disk_bytes // MIB, help="disk budget of the warm tier, MiB")
-    t.add_argument("--warm-format", default=_SS.warm_format, choices=["int8", "bf16", "exact"], help="how warm KV is stored")
+    t.add_argument("--warm-format", default=_SS.warm_format, choices=get_args(WarmFormat), help="how warm KV is stored")
     t.add_argument(
         "--write-behind",
         type=float,
