@@ -96,6 +96,8 @@ def test_a_failed_step_takes_back_the_blocks_it_published(fp32_engine, monkeypat
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()
     monkeypatch.undo()
+    with pytest.raises(RuntimeError, match="abort the requests that were in flight before stepping again: fails"):
+        engine.step()  # its KV may be half written: it must not run on
     engine.abort("fails")
     engine.add_request("after", prompt, greedy(4))
     assert engine.kv.find_cached_prefix(engine.requests["after"]) == []

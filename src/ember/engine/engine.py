@@ -123,6 +123,10 @@ class LLMEngine:
         # Requests waiting for their conversation's KV to be read from disk (not yet schedulable).
         self.loading: dict[str, Request] = {}
         self.requests: dict[str, Request] = {}
+        # Requests in flight when a step raised. That step's KV may be half written, and a
+        # request admitted in it may have found another's blocks before they were retracted:
+        # none of them may run on. ``step`` refuses until they are all aborted.
+        self._failed_step_requests: set[str] = set()
         self.stats = EngineCounters()
         self.eos_token_ids = self.tokenizer.eos_token_ids
         self._grammar: GrammarCompiler | None = None
@@ -244,7 +248,16 @@ class LLMEngine:
     # -- the step ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine iteration; returns an output for every request that changed."""
+        """One engine iteration; returns an output for every request that changed.
+
+        If it raises, abort every request in flight before stepping again (``AsyncEngine``
+        fails them all); until then it raises ``RuntimeError``.
+        """
+        if self._failed_step_requests:
+            self._failed_step_requests &= self.requests.keys()
+            if self._failed_step_requests:
+                names = ", ".join(sorted(self._failed_step_requests))
+                raise RuntimeError(f"a step failed; abort the requests that were in flight before stepping again: {names}")
         outputs: list[RequestOutput] = []
         compute_threads.keep_engine_count()
         now = self.clock()
@@ -270,6 +283,7 @@ class LLMEngine:
             result = self.runner.execute(sched)
         except BaseException:
             self.kv.retract_step()  # blocks published for this step were never written
+            self._failed_step_requests = set(self.requests)
             raise
         self.kv.end_step()
         self.stats.busy_seconds += time.perf_counter() - started
