@@ -61,7 +61,7 @@ chat: $(STAMP)
 	$(BIN)/ember chat
 
 test: lint ray promtool chromium
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # ruff (lint and format) and mypy on src/, configured in pyproject.toml; any finding fails.
 # mypy reads every extra's packages, Ray's included (src/ember/ray).
