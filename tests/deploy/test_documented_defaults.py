@@ -1,4 +1,4 @@
-"""Every default the README and ``deploy/`` quote is the default the code has.
+"""Every default the README, ``docs/`` and ``deploy/`` quote is the default the code has.
 
 Defaults live in ``ember.config`` and reach the CLI from there; the docs quote
 them by hand, which is how ``deploy/`` came to say ``--max-queue`` 256 while
@@ -26,7 +26,7 @@ from ember.cli import build_parser
 from ember.config import PROFILE_PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "deploy").rglob("*.md")), *sorted((ROOT / "deploy").rglob("*.yml"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "deploy").rglob("*.md")), *sorted((ROOT / "deploy").rglob("*.yml"))]
 NUMBER = r"(-?[0-9][0-9,]*(?:\.[0-9]+)?)"
 FLAG = r"--([a-z0-9][a-z0-9-]*)"
 PATTERNS = [
