@@ -42,6 +42,24 @@ def test_an_unknown_cache_dtype_is_refused_by_name(make_engine):
         make_engine(kv_cache_dtype="int4")
 
 
+def test_restored_blocks_saturate_in_a_float16_cache(float16_cache):
+    """A warm block written back into a float16 pool follows the kernels' rule
+    (model/kv_values.py): out-of-range values become ±65,504, never infinity."""
+    kv = float16_cache.kv
+    layers, two, _, heads, dim = kv.kv.shape
+    block = kv.pool.allocate(1)[0]
+    try:
+        data = torch.randn(layers, two, 1, kv.block_size, heads, dim)
+        data[0, 0, 0, 0, 0, :3] = torch.tensor([1e6, -7e4, 65500.0])
+        kv.write_blocks([block.block_id], data)
+        stored = kv.read_blocks([block.block_id])
+        assert torch.isfinite(stored).all()
+        assert stored[0, 0, 0, 0, 0, :3].tolist() == [65504.0, -65504.0, 65504.0]  # 65,500 rounds to 65,504 as it would anyway
+        assert torch.equal(stored[1:], data[1:].half())  # in range: a plain conversion's bits
+    finally:
+        kv.pool.release([block])
+
+
 def _greedy_runs(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     for i, ids in enumerate(prompts):
         engine.add_request(f"p{i}", ids, greedy(max_tokens, ignore_eos=True))

@@ -203,6 +203,48 @@ def test_rope_store_rounds_once_into_a_float16_cache(k):
         assert torch.equal(c16, c32.half())
 
 
+def test_a_float16_cache_saturates_where_a_conversion_would_overflow(k):
+    """Beyond float16's ±65,504 a key or value is stored as ±65,504, not infinity (one
+    infinite key would make its sequence's attention NaN), by the kernel and by the torch
+    path alike; every value in range keeps the bits of a plain conversion."""
+    from ember.config import ModelConfig
+    from ember.model.kv_values import FLOAT16_MAX, as_kv_values
+    from ember.model.llama import AttentionMetadata, Attention, rope_frequencies
+    from ember.model.quant import Numerics
+
+    h, kv, hd, t = 2, 1, 16, 6
+    config = ModelConfig(100, 32, 64, 1, h, kv, hd, 10000.0, 1e-5, 64, True)
+    freqs = rope_frequencies(config, 64)
+    qkv = torch.randn(t, (h + 2 * kv) * hd) * 4
+    qkv[0, h * hd : (h + 1) * hd] = 1e6  # a key far out of range (both halves of each pair)
+    qkv[1, (h + kv) * hd :] = -7e4  # values just out of range
+    qkv[2, (h + kv) * hd] = 65500.0  # in range: rounds as a plain conversion does
+    positions, slots = torch.arange(t) + 3, torch.tensor([4, 0, 7, 2, 5, 1])
+    assert torch.equal(as_kv_values(qkv, torch.float16), qkv.half().clamp(-FLOAT16_MAX, FLOAT16_MAX))  # no inf
+    assert not torch.isinf(as_kv_values(qkv, torch.float16)).any()
+    assert torch.isnan(as_kv_values(torch.tensor([float("nan")]), torch.float16)).all()
+    assert torch.equal(as_kv_values(qkv, torch.float32), qkv)
+
+    def caches(dtype):
+        return torch.zeros(8, kv, hd, dtype=dtype), torch.zeros(8, kv, hd, dtype=dtype)
+
+    kernel32, kernel16 = caches(torch.float32), caches(torch.float16)
+    for cache in (kernel32, kernel16):
+        k.rope_store(qkv, freqs.real.contiguous(), freqs.imag.contiguous(), positions, slots, *cache, h, kv, hd, None)
+    weights = {name: torch.zeros(rows, 32) for name, rows in (("q", h * hd), ("k", kv * hd), ("v", kv * hd))}
+    weights["o"] = torch.zeros(32, h * hd)
+    attention = Attention(config, weights, Numerics("none", torch.float32, torch.device("cpu")))
+    torch16 = caches(torch.float16)
+    attention._rope_store(qkv, AttentionMetadata(slot_mapping=slots, rope_freqs=freqs[positions].unsqueeze(1)), *torch16)
+    for c16, c32, t16 in zip(kernel16, kernel32, torch16, strict=True):
+        assert torch.equal(c16, as_kv_values(c32, torch.float16))
+        assert torch.isfinite(c16).all() and torch.isfinite(t16).all()
+        saturated = c32.abs() > FLOAT16_MAX
+        assert saturated.any()
+        assert torch.equal(t16[saturated], c16[saturated])  # ±65,504 on both paths
+    assert torch.equal(torch16[1], kernel16[1])  # values are not rotated: the same bits
+
+
 def _lane_weights(n, k_in, seed):
     from ember.model.quant import pack_lanes, quantize_per_channel_int8
 

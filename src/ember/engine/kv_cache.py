@@ -16,6 +16,7 @@ from ember.engine import warm_storage as ws
 from ember.engine.block_pool import Block, BlockPool, hash_block
 from ember.engine.request import Request
 from ember.kernels import cpu as cpu_kernels
+from ember.model.kv_values import as_kv_values
 
 
 def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -123,9 +124,9 @@ class KVCacheManager:
         view = self._block_view()
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv.device)
         if layer is None:
-            view[:, :, index] = data.to(self.kv.dtype)
+            view[:, :, index] = as_kv_values(data, self.kv.dtype)
         else:
-            view[layer][:, index] = data.to(self.kv.dtype)
+            view[layer][:, index] = as_kv_values(data, self.kv.dtype)
 
     def _block_view(self) -> torch.Tensor:
         layers, two, _, heads, dim = self.kv.shape

@@ -61,6 +61,15 @@ inline void store(T* p, int64_t i, float v) {
   p[i] = static_cast<T>(v);
 }
 
+// Into a float16 KV cache: saturated at float16's largest finite value, where a
+// plain conversion overflows to infinity (and one infinite key turns its
+// sequence's attention into NaN). Values in range keep their bits; NaN stays
+// NaN. The torch path and restored blocks do the same (model/kv_values.py).
+constexpr float HALF_MAX = 65504.f;
+inline void store(Half* p, int64_t i, float v) {
+  p[i] = static_cast<Half>(std::clamp(v, -HALF_MAX, HALF_MAX));
+}
+
 // Calls fn with a typed pointer for a float32 or bfloat16 tensor.
 template <typename Fn>
 void with_ptr(const Tensor& t, Fn fn) {

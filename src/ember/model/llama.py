@@ -22,6 +22,7 @@ from torch.nn import functional as F
 
 from ember.config import ModelConfig
 from ember.kernels import cpu as cpu_kernels
+from ember.model.kv_values import as_kv_values
 from ember.model.quant import DenseLinear, Int8Linear, KernelLinear, Numerics, make_linear
 
 
@@ -213,8 +214,8 @@ class Attention(nn.Module):
         heads = qkv[:, : self.q_size + self.kv_size].reshape(t, self.num_heads + self.num_kv_heads, self.head_dim)
         qk = apply_rope(heads, meta.rope_freqs)
         v = qkv[:, self.q_size + self.kv_size :].reshape(t, self.num_kv_heads, self.head_dim)
-        k_cache.index_copy_(0, meta.slot_mapping, qk[:, self.num_heads :].to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        k_cache.index_copy_(0, meta.slot_mapping, as_kv_values(qk[:, self.num_heads :], k_cache.dtype))
+        v_cache.index_copy_(0, meta.slot_mapping, as_kv_values(v, v_cache.dtype))
         return qk[:, : self.num_heads]  # (T, H, Hd)
 
     def _decode(self, q: torch.Tensor, meta: AttentionMetadata, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
