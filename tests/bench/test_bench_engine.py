@@ -21,7 +21,7 @@ def test_engine_bench_writes_figures(tmp_path, capsys):
         "float32/int8, previous kernels",
     ]
     for figures in rows:
-        for key in ("decode_tps", "prefill_tps", "aggregate_tps", "aggregate_sampled_tps", "step_overhead_ms", "weight_bytes_per_param"):
+        for key in ("decode_tps", "prefill_tps", "aggregate_tps", "aggregate_sampled_tps", "sampled_vs_greedy", "step_overhead_ms", "weight_bytes_per_param"):
             assert figures[key] > 0, key
         assert figures["rss_mb"]["weights"] > 0 and figures["rss_mb"]["kv_pool"] > 0
     printed = capsys.readouterr().out
