@@ -224,6 +224,9 @@ def test_a_float16_cache_saturates_where_a_conversion_would_overflow(k):
     assert not torch.isinf(as_kv_values(qkv, torch.float16)).any()
     assert torch.isnan(as_kv_values(torch.tensor([float("nan")]), torch.float16)).all()
     assert torch.equal(as_kv_values(qkv, torch.float32), qkv)
+    # From bfloat16 activations (the torch path with --dtype bfloat16), whose type cannot hold 65,504.
+    from_bf16 = as_kv_values(torch.tensor([65536.0, -1e6, 3.0], dtype=torch.bfloat16), torch.float16)
+    assert from_bf16.tolist() == [FLOAT16_MAX, -FLOAT16_MAX, 3.0]
 
     def caches(dtype):
         return torch.zeros(8, kv, hd, dtype=dtype), torch.zeros(8, kv, hd, dtype=dtype)

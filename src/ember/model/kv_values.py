@@ -18,6 +18,10 @@ FLOAT16_MAX = torch.finfo(torch.float16).max
 
 def as_kv_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` as a cache of ``dtype`` stores it."""
+    stored = x.to(dtype)
     if dtype == torch.float16:
-        x = x.clamp(-FLOAT16_MAX, FLOAT16_MAX)
-    return x.to(dtype)
+        # Clamped after the conversion, in float16, whose ±65,504 is exact: clamping
+        # before it, in x's dtype, rounds the bound itself (bfloat16 holds it as 65,536,
+        # which then converts to infinity). An overflow became ±inf; inf clamps to ±65,504.
+        stored = stored.clamp(-FLOAT16_MAX, FLOAT16_MAX)
+    return stored
